@@ -1,0 +1,16 @@
+# The two quick-start commands (each sets up .venv first):
+#   make demo   - serve the embedded default model and replay an agent session through it
+#   make test   - run the test suite
+.PHONY: setup demo test bench
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/python -m clawray.cli demo --out demo-output
+
+test: setup
+	.venv/bin/python -m pytest -q
+
+bench: setup
+	.venv/bin/python bench/serving.py

@@ -1,0 +1,218 @@
+"""One typed configuration for all of clawray, with RLlib-style builder methods.
+
+    cfg = (ClawRayConfig()
+           .model(path="embedded:tiny")
+           .inference(engine="hf", max_running=16)
+           .serving(api_keys=["sk-local"], default_turn_type="main"))
+    cfg.validate()
+
+Each concern is a sub-config (a pydantic model); parts receive only the sub-config they need.
+YAML files and Serve ``args`` use the concern names as keys (``model:``, ``inference:``,
+``serving:``). Unknown keys are rejected, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+EMBEDDED_MODEL = "embedded:tiny"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ModelConfig(_Section):
+    """Which policy model to serve and train."""
+
+    path: str = Field(EMBEDDED_MODEL, description="'embedded:tiny' or a local HF model folder.")
+    served_name: str | None = Field(
+        None, description="Name reported by /v1/models; defaults to the folder's name."
+    )
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context window; defaults to the model config's maximum."
+    )
+    seed: int = Field(0, description="Seed of the embedded default model (weights, tokenizer).")
+
+
+class InferenceConfig(_Section):
+    """The engine behind the PolicyServer."""
+
+    engine: Literal["hf", "vllm", "fixed_latency"] = "hf"
+    max_running: int = Field(16, ge=1, description="Sequences holding a KV cache at once.")
+    max_waiting: int = Field(256, ge=0, description="Queued requests before 'overloaded'.")
+    prefill_chunk: int = Field(2048, ge=16, description="Prompt tokens per prefill step (HF).")
+    # vLLM only
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    enforce_eager: bool = False
+    # fixed_latency only (benchmarks and protocol tests)
+    fixed_latency_s: float = Field(0.02, ge=0)
+
+
+class ServingConfig(_Section):
+    """The OpenAI-compatible front door."""
+
+    host: str = Field("127.0.0.1", description="Bind address; loopback unless configured.")
+    port: int = Field(8000, ge=1, le=65535)
+    allow_remote_without_auth: bool = False
+    api_keys: list[str] = Field(default_factory=list, description="Accepted bearer keys.")
+    api_keys_env: str = Field(
+        "CLAWRAY_API_KEYS", description="Env var with more comma-separated keys."
+    )
+    layout: Literal["colocated", "split"] = Field(
+        "colocated",
+        description=(
+            "'colocated': the engine runs inside the ingress replica (one hop, fastest on a "
+            "small machine); 'split': a separate PolicyServer deployment behind a handle "
+            "(scale GPU replicas independently)."
+        ),
+    )
+    ingress_replicas: int = Field(1, ge=1)
+    policy_replicas: int = Field(1, ge=1)
+    max_ongoing_requests: int = Field(512, ge=1)
+    replica_num_cpus: float = Field(1.0, ge=0)
+    replica_num_gpus: float = Field(0.0, ge=0)
+    max_body_bytes: int = Field(4_000_000, ge=1024, description="Larger bodies get HTTP 413.")
+    default_max_tokens: int = Field(512, ge=1)
+    max_tokens_limit: int = Field(
+        131072, ge=1, description="A max_tokens above this is rejected as absurd (HTTP 400)."
+    )
+    max_n: int = Field(16, ge=1)
+    default_turn_type: Literal["main", "side"] = Field(
+        "main",
+        description=(
+            "Turn type of a request without X-Turn-Type/turn_type. clawray defaults to 'main' "
+            "(trainable) so a plain OpenAI client contributes data; OpenClaw-RL defaults to "
+            "'side', which trains nothing."
+        ),
+    )
+    record_sink: str = Field(
+        "jsonl",
+        description="'jsonl', 'memory', 'none', or 'module:attr' of a RecordSink factory.",
+    )
+    records_path: str = Field(
+        "~/.cache/clawray/records/turns.jsonl", description="File of the 'jsonl' sink."
+    )
+
+    def resolved_api_keys(self) -> list[str]:
+        keys = list(self.api_keys)
+        extra = os.environ.get(self.api_keys_env, "")
+        keys += [k.strip() for k in extra.split(",") if k.strip()]
+        return keys
+
+
+class ClawRayConfig(_Section):
+    """The whole configuration; builder methods mirror RLlib's ``AlgorithmConfig``."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, protected_namespaces=(), populate_by_name=True
+    )
+
+    model_cfg: ModelConfig = Field(default_factory=ModelConfig, alias="model")
+    inference_cfg: InferenceConfig = Field(default_factory=InferenceConfig, alias="inference")
+    serving_cfg: ServingConfig = Field(default_factory=ServingConfig, alias="serving")
+
+    # ---- builder methods (one per concern; each returns self) ----
+    def model(self, **kwargs: Any) -> "ClawRayConfig":
+        self.model_cfg = _updated(self.model_cfg, kwargs)
+        return self
+
+    def inference(self, **kwargs: Any) -> "ClawRayConfig":
+        self.inference_cfg = _updated(self.inference_cfg, kwargs)
+        return self
+
+    def serving(self, **kwargs: Any) -> "ClawRayConfig":
+        self.serving_cfg = _updated(self.serving_cfg, kwargs)
+        return self
+
+    # ---- loading and dumping ----
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "ClawRayConfig":
+        try:
+            return cls.model_validate(data or {})
+        except ValidationError as e:
+            raise ConfigError(_describe(e)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "ClawRayConfig":
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: expected a mapping at the top level")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, mode="json")
+
+    def copy_with(self, **sections: dict[str, Any]) -> "ClawRayConfig":
+        data = self.to_dict()
+        for name, values in sections.items():
+            data.setdefault(name, {}).update(values)
+        return ClawRayConfig.from_dict(data)
+
+    # ---- cross-field checks ----
+    def validate(self) -> "ClawRayConfig":  # type: ignore[override]
+        """Reject combinations that cannot work, with a message that says what to change."""
+        problems: list[str] = []
+        m, inf, s = self.model_cfg, self.inference_cfg, self.serving_cfg
+        if inf.engine == "vllm" and m.device == "cpu":
+            problems.append(
+                "inference.engine='vllm' needs a GPU: set model.device='cuda' (and install "
+                "the 'vllm' extra), or use inference.engine='hf' on CPU"
+            )
+        if inf.engine == "vllm" and m.path == EMBEDDED_MODEL:
+            problems.append("inference.engine='vllm' needs a real model folder in model.path")
+        if not _is_loopback(s.host) and not s.resolved_api_keys() and not s.allow_remote_without_auth:
+            problems.append(
+                f"serving.host={s.host!r} is reachable beyond loopback but no API key is set: "
+                f"set serving.api_keys or ${s.api_keys_env}, or serving.allow_remote_without_auth"
+            )
+        if s.default_max_tokens > s.max_tokens_limit:
+            problems.append("serving.default_max_tokens must not exceed serving.max_tokens_limit")
+        if m.path != EMBEDDED_MODEL and not m.path.startswith("embedded:"):
+            if not Path(m.path).expanduser().exists():
+                problems.append(f"model.path={m.path!r} does not exist (weights load from disk only)")
+        elif m.path != EMBEDDED_MODEL:
+            problems.append(f"unknown embedded model {m.path!r}; the only one is {EMBEDDED_MODEL!r}")
+        if problems:
+            raise ConfigError("invalid clawray config:\n  - " + "\n  - ".join(problems))
+        return self
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message lists every problem found."""
+
+
+def _updated(section: _Section, kwargs: dict[str, Any]) -> Any:
+    try:
+        return section.model_validate({**section.model_dump(), **kwargs})
+    except ValidationError as e:
+        raise ConfigError(_describe(e)) from None
+
+
+def _describe(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        where = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        lines.append(f"{where}: {err['msg']}")
+    return "invalid clawray config:\n  - " + "\n  - ".join(lines)
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost",):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,133 @@
+"""The token-in/token-out inference protocol every engine implements.
+
+Engines never see text: the ingress applies the chat template and hands over prompt ids, and
+gets back the exact ids the engine sampled with their log-probs. That is what keeps training
+samples token-exact (no re-tokenization anywhere between serving and the learner).
+
+Log-probs are those of the *raw* model distribution (temperature 1, no top-p), the same
+convention as vLLM's default ``logprobs_mode="raw_logprobs"``; the sampling settings that
+shaped the behaviour policy travel with the record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import AsyncIterator, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings for one request (OpenAI names, engine-neutral)."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    n: int = 1
+    # Keep sampling past end-of-sequence tokens (benchmarks, tests); vLLM has the same flag.
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+
+@dataclasses.dataclass
+class TokenOutput:
+    """One finished completion: the ids the engine produced, exactly."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    policy_version: int
+    # Set when the weights changed while this completion was being generated.
+    policy_version_end: int | None = None
+    # Index of the stop string that ended generation, if any (text is cut before it).
+    stop_string: str | None = None
+    index: int = 0
+
+
+@dataclasses.dataclass
+class TokenDelta:
+    """A streamed piece of one completion: new token ids since the last delta.
+
+    The final delta of a completion has ``finish_reason`` set (and may carry no new ids).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    policy_version: int
+    finish_reason: FinishReason | None = None
+    stop_string: str | None = None
+    index: int = 0
+    # On the final delta only: the version in force at the end, when the weights changed mid-way.
+    policy_version_end: int | None = None
+
+
+@dataclasses.dataclass
+class EngineStatus:
+    engine: str
+    model: str
+    policy_version: int
+    max_model_len: int
+    running: int
+    waiting: int
+    paused: bool
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the PolicyServer (and later the judge and env runners) need from an engine."""
+
+    max_model_len: int
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[TokenOutput]:
+        """Sample ``params.n`` completions of ``prompt_ids``."""
+        ...
+
+    def generate_stream(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenDelta]:
+        """Yield tokens as they are sampled; cancelling the iterator aborts the request."""
+        ...
+
+    async def prompt_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        """Log-prob of each of ``response_ids`` given ``prompt_ids`` and the ids before it."""
+        ...
+
+    async def load_weights(self, state_dict: dict, policy_version: int) -> None:
+        """Swap in new weights between generation steps and adopt ``policy_version``."""
+        ...
+
+    async def status(self) -> EngineStatus: ...
+
+    async def shutdown(self) -> None: ...
+
+
+class EngineError(RuntimeError):
+    """An engine could not serve a request for a reason the client should see (e.g. length)."""
+
+
+class EngineOverloaded(EngineError):
+    """The engine's waiting queue is full; the client should retry later (HTTP 429/503)."""
+
+
+def check_prompt_fits(prompt_len: int, max_model_len: int) -> None:
+    """Raise a precise error when a prompt leaves no room for even one new token."""
+    if prompt_len == 0:
+        raise EngineError("the prompt is empty")
+    if prompt_len >= max_model_len:
+        raise EngineError(
+            f"the prompt has {prompt_len} tokens but the model's context window is "
+            f"{max_model_len} tokens, leaving no room for a reply"
+        )

@@ -1,0 +1,198 @@
+"""OpenAI chat-completions wire models: request validation and normalization.
+
+The ingress parses bodies itself (size limit first, then JSON, then these models) so every
+bad input becomes an OpenAI-format error with a precise message instead of a framework 422/500.
+Unknown top-level fields are accepted and ignored, as OpenAI-compatible servers do, except the
+session metadata fields, which are read and stripped before generation.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+# Body fields that carry session metadata (REFERENCE §1, OpenClaw affinity); never generated on.
+SESSION_BODY_FIELDS = ("session_id", "turn_type", "session_done", "prompt_cache_key")
+
+
+class APIError(Exception):
+    """An error the client should see, rendered in OpenAI's JSON error format."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        }
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ContentPart(_Open):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(_Open):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Open):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Open):
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Open):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Open):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class StreamOptions(_Open):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Open):
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    # vLLM-compatible extras
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > 8 or any(not s for s in items):
+            raise ValueError("stop must be up to 8 non-empty strings")
+        return v
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+def parse_request(raw: bytes) -> tuple[ChatCompletionRequest, dict[str, Any]]:
+    """Decode and validate a body; returns the request and the stripped session fields."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object")
+    session_fields = {k: data.pop(k) for k in SESSION_BODY_FIELDS if k in data}
+    if "messages" not in data:
+        raise APIError(400, "'messages' is required", param="messages")
+    try:
+        req = ChatCompletionRequest.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise APIError(400, f"invalid value for '{loc}': {err['msg']}", param=loc) from None
+    return req, session_fields
+
+
+def normalize_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them.
+
+    ``developer`` becomes ``system``; content-part arrays become their concatenated text (only
+    text parts are supported); tool-call arguments given as JSON strings are parsed to objects
+    when they are valid JSON (so the template renders one canonical form).
+    """
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        role = "system" if m.role == "developer" else m.role
+        msg: dict[str, Any] = {"role": role, "content": _text_of(m.content, i)}
+        if m.tool_calls:
+            if role != "assistant":
+                raise APIError(400, f"messages[{i}]: only assistant messages may have tool_calls",
+                               param=f"messages.{i}.tool_calls")
+            msg["tool_calls"] = [
+                {
+                    "id": tc.id,
+                    "type": "function",
+                    "function": {"name": tc.function.name, "arguments": _args_of(tc.function.arguments)},
+                }
+                for tc in m.tool_calls
+            ]
+        if role == "tool":
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def normalize_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    return [t.model_dump(exclude_none=True) for t in tools]
+
+
+def _text_of(content: str | list[ContentPart] | None, i: int) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise APIError(
+                400,
+                f"messages[{i}]: content part of type {part.type!r} is not supported (text only)",
+                param=f"messages.{i}.content",
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _args_of(arguments: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments

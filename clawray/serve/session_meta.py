@@ -1,0 +1,82 @@
+"""Session metadata of a request: which session, which turn type, whether the session ended.
+
+Sources, first match wins (REFERENCE §1 plus OpenClaw's session-affinity option):
+
+- session id: ``X-Session-Id`` header, ``session_id`` body field, ``session_id`` header,
+  ``x-session-affinity`` header, ``prompt_cache_key`` body field; without any, a stable key
+  derived from the conversation's first system and user messages (the history is resent each
+  turn, so every turn of a conversation maps to the same key, and two conversations never share
+  one bucket).
+- turn type: ``X-Turn-Type`` header or ``turn_type`` body field; ``main`` is trainable,
+  anything else is a side turn; default from ``serving.default_turn_type``.
+- session done: ``X-Session-Done`` header or ``session_done`` body field, true for
+  1/true/yes/on (any case).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Mapping
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionMeta:
+    session_id: str
+    source: str
+    turn_type: str
+    session_done: bool
+
+
+def session_meta(
+    headers: Mapping[str, str],
+    body_fields: Mapping[str, Any],
+    messages: list[dict[str, Any]],
+    default_turn_type: str,
+) -> SessionMeta:
+    """Resolve the metadata of one request; ``headers`` must be case-insensitive."""
+    candidates = [
+        ("header", headers.get("x-session-id")),
+        ("body", body_fields.get("session_id")),
+        ("header", headers.get("session_id")),
+        ("affinity", headers.get("x-session-affinity")),
+        ("prompt_cache_key", body_fields.get("prompt_cache_key")),
+    ]
+    session_id, source = None, "derived"
+    for src, value in candidates:
+        if value not in (None, ""):
+            session_id, source = str(value), src
+            break
+    if session_id is None:
+        session_id = derive_session_key(messages)
+
+    turn_type = headers.get("x-turn-type") or body_fields.get("turn_type") or default_turn_type
+    turn_type = str(turn_type).strip().lower()
+    if turn_type != "main":
+        turn_type = "side"
+
+    done_raw = headers.get("x-session-done", body_fields.get("session_done", False))
+    return SessionMeta(session_id, source, turn_type, _truthy(done_raw))
+
+
+def derive_session_key(messages: list[dict[str, Any]]) -> str:
+    """A stable key from the first system message and the first user message."""
+    first_system = next((m for m in messages if m["role"] == "system"), None)
+    first_user = next((m for m in messages if m["role"] == "user"), None)
+    basis = json.dumps(
+        [
+            first_system["content"] if first_system else None,
+            first_user["content"] if first_user else None,
+        ],
+        ensure_ascii=False,
+    )
+    return "derived-" + hashlib.sha256(basis.encode()).hexdigest()[:20]
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    return str(value).strip().lower() in _TRUE

@@ -1,0 +1,109 @@
+import json
+
+import pytest
+
+from clawray.serve.auth import KeyChecker
+from clawray.serve.protocol import APIError, normalize_messages, normalize_tools, parse_request
+from clawray.serve.session_meta import derive_session_key, session_meta
+
+
+def _parse(body):
+    return parse_request(json.dumps(body).encode())
+
+
+@pytest.mark.parametrize(
+    "raw, status, needle",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (json.dumps({"model": "m"}).encode(), 400, "'messages' is required"),
+        (json.dumps({"messages": []}).encode(), 400, "messages"),
+        (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), 400, "role"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}],
+                     "tools": [{"type": "function", "function": {}}]}).encode(), 400, "tools"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}],
+                     "tools": [{"type": "retrieval"}]}).encode(), 400, "tools"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": 9}).encode(),
+         400, "temperature"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "stop": [""]}).encode(),
+         400, "stop"),
+    ],
+)
+def test_bad_bodies_become_precise_api_errors(raw, status, needle):
+    with pytest.raises(APIError) as e:
+        parse_request(raw)
+    assert e.value.status == status
+    assert needle in e.value.message
+    body = e.value.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"}
+
+
+def test_session_fields_are_stripped_from_the_body():
+    req, fields = _parse({"messages": [{"role": "user", "content": "hi"}], "session_id": "s",
+                          "turn_type": "side", "session_done": "yes", "prompt_cache_key": "k"})
+    assert fields == {"session_id": "s", "turn_type": "side", "session_done": "yes",
+                      "prompt_cache_key": "k"}
+    assert "session_id" not in req.model_dump()
+
+
+def test_normalize_maps_developer_parts_and_tool_arguments():
+    req, _ = _parse({"messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{\"path\":\".\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "x"},
+    ]})
+    msgs = normalize_messages(req.messages)
+    assert msgs[0] == {"role": "system", "content": "be brief"}
+    assert msgs[1]["content"] == "ab"
+    assert msgs[2]["tool_calls"][0]["function"]["arguments"] == {"path": "."}
+    assert msgs[3] == {"role": "tool", "content": "x", "tool_call_id": "c1"}
+
+
+def test_image_parts_are_rejected_not_dropped():
+    req, _ = _parse({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
+    with pytest.raises(APIError, match="image_url"):
+        normalize_messages(req.messages)
+
+
+def test_tools_roundtrip():
+    req, _ = _parse({"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
+    assert normalize_tools(req.tools) == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def test_session_meta_precedence_and_flags():
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    m = session_meta({"x-session-id": "h", "session_id": "aff"}, {"session_id": "b"}, msgs, "main")
+    assert (m.session_id, m.source) == ("h", "header")
+    m = session_meta({"session_id": "aff1:0", "x-session-affinity": "aff1:0"},
+                     {"prompt_cache_key": "aff1:0"}, msgs, "main")
+    assert (m.session_id, m.source) == ("aff1:0", "header")
+    m = session_meta({}, {"prompt_cache_key": "k"}, msgs, "side")
+    assert (m.session_id, m.source, m.turn_type) == ("k", "prompt_cache_key", "side")
+    for v in ("1", "true", "YES", "on", True):
+        assert session_meta({"x-session-done": v} if isinstance(v, str) else {},
+                            {} if isinstance(v, str) else {"session_done": v}, msgs, "main").session_done
+    assert not session_meta({"x-session-done": "no"}, {}, msgs, "main").session_done
+    assert session_meta({"x-turn-type": "heartbeat"}, {}, msgs, "main").turn_type == "side"
+
+
+def test_derived_session_key_is_stable_over_turns_and_distinct_across_conversations():
+    t1 = [{"role": "system", "content": "S"}, {"role": "user", "content": "first"}]
+    t2 = t1 + [{"role": "assistant", "content": "r"}, {"role": "user", "content": "second"}]
+    other = [{"role": "system", "content": "S"}, {"role": "user", "content": "different"}]
+    assert derive_session_key(t1) == derive_session_key(t2)
+    assert derive_session_key(t1) != derive_session_key(other)
+    assert session_meta({}, {}, t1, "main").source == "derived"
+
+
+def test_key_checker():
+    kc = KeyChecker(["k1", "k2"])
+    kc.check({"authorization": "Bearer k2"})
+    kc.check({"x-api-key": "k1"})
+    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic k1"}):
+        with pytest.raises(APIError) as e:
+            kc.check(headers)
+        assert e.value.status == 401
+    KeyChecker([]).check({})  # auth off

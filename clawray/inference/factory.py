@@ -1,0 +1,45 @@
+"""Build the engine named in the config, for the model a ``ModelInfo`` describes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from clawray.config import InferenceConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from clawray.inference.engine import Engine
+    from clawray.models.loader import ModelInfo
+
+
+def make_engine(model: ModelConfig, inference: InferenceConfig, info: "ModelInfo") -> "Engine":
+    max_len = model.max_model_len or info.max_model_len
+    if inference.engine == "hf":
+        from clawray.inference.hf_engine import HFEngine
+
+        return HFEngine.from_path(
+            info.path,
+            max_model_len=max_len,
+            max_running=inference.max_running,
+            max_waiting=inference.max_waiting,
+            prefill_chunk=inference.prefill_chunk,
+            dtype=model.dtype,
+            device=model.device,
+        )
+    if inference.engine == "vllm":
+        from clawray.inference.vllm_engine import VLLMEngine
+
+        return VLLMEngine.from_config(
+            str(info.path),
+            max_model_len=max_len,
+            gpu_memory_utilization=inference.gpu_memory_utilization,
+            tensor_parallel_size=inference.tensor_parallel_size,
+            dtype=model.dtype,
+            seed=model.seed,
+            enforce_eager=inference.enforce_eager,
+            max_num_seqs=inference.max_running,
+        )
+    if inference.engine == "fixed_latency":
+        from clawray.inference.fixed_latency import FixedLatencyEngine
+
+        return FixedLatencyEngine(latency_s=inference.fixed_latency_s, max_model_len=max_len)
+    raise ValueError(f"unknown engine {inference.engine!r}")

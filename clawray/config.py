@@ -49,7 +49,7 @@ class InferenceConfig(_Section):
     engine: Literal["hf", "vllm", "fixed_latency"] = "hf"
     max_running: int = Field(16, ge=1, description="Sequences holding a KV cache at once.")
     max_waiting: int = Field(256, ge=0, description="Queued requests before 'overloaded'.")
-    prefill_chunk: int = Field(2048, ge=16, description="Prompt tokens per prefill step (HF).")
+    prefill_chunk: int = Field(512, ge=16, description="Prompt tokens per prefill step (HF).")
     # vLLM only
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     tensor_parallel_size: int = Field(1, ge=1)

@@ -1,0 +1,1 @@
+"""clawray: continuous RL for self-hosted agent models, on Ray."""

@@ -404,3 +404,13 @@ async def test_failing_detokenizer_fails_only_the_request_that_needs_it(tiny_qwe
         assert isinstance(bad, EngineError) and "cannot decode" in str(bad)
         assert len(good[0].token_ids) == GREEDY.max_tokens
         await wait_for(lambda: _idle(engine))
+
+
+
+async def test_ignore_eos_keeps_sampling_past_eos(tiny_qwen3):
+    free = reference_greedy(tiny_qwen3, PROMPT, 12)
+    at = next(i for i, t in enumerate(free) if t not in free[:i] and i >= 2)
+    async with engine_of(tiny_qwen3, eos_token_ids=[free[at]]) as engine:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        out = (await engine.generate(PROMPT, params))[0]
+    assert out.finish_reason == "length" and out.token_ids == free

@@ -408,7 +408,8 @@ class Scheduler:
             except Exception as exc:  # a broken detokenizer fails this request only
                 self._fail(req, EngineError(f"stop-string check failed: {exc!r}"))
                 return delta
-        if token in self.eos_ids or stop_string is not None:
+        is_eos = token in self.eos_ids and not (req.params is not None and req.params.ignore_eos)
+        if is_eos or stop_string is not None:
             finish = "stop"
         elif len(seq.token_ids) >= req.max_new:
             finish = "length"

@@ -1,0 +1,102 @@
+"""``clawray`` command line: build the embedded model, serve, and run the demo.
+
+    clawray build-model           # build (or reuse) the embedded tiny model, print its folder
+    clawray serve [-c cfg.yaml]   # start Ray + the Serve app and block (Ctrl-C stops)
+    clawray demo                  # serve the embedded default and replay an OpenClaw session
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from clawray.config import ClawRayConfig, ConfigError
+
+
+def _config(path: str | None) -> ClawRayConfig:
+    return ClawRayConfig.from_yaml(path) if path else ClawRayConfig()
+
+
+def start_serving(cfg: ClawRayConfig, *, blocking: bool) -> str:
+    """Start (or join) local Ray, run the app, return the base URL."""
+    import ray
+    from ray import serve
+
+    from clawray.serve.app import build_app
+
+    s = cfg.serving_cfg
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    serve.start(
+        http_options={"host": s.host, "port": s.port},
+        logging_config={"log_level": "WARNING", "enable_access_log": False},
+    )
+    serve.run(build_app(cfg), name="clawray", route_prefix="/", blocking=blocking)
+    return f"http://{s.host}:{s.port}/v1"
+
+
+def cmd_build_model(args: argparse.Namespace) -> int:
+    from clawray.models.tiny import build_embedded_default
+
+    print(build_embedded_default(progress=True))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = _config(args.config)
+    if args.port:
+        cfg.serving(port=args.port)
+    cfg.validate()
+    _prebuild(cfg)
+    print(f"clawray: serving {cfg.model_cfg.path} at http://{cfg.serving_cfg.host}:"
+          f"{cfg.serving_cfg.port}/v1 (Ctrl-C stops)", flush=True)
+    start_serving(cfg, blocking=True)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from clawray.demo import run_demo
+
+    cfg = _config(args.config)
+    if args.port:
+        cfg.serving(port=args.port)
+    cfg.validate()
+    _prebuild(cfg)
+    return run_demo(cfg, records_dir=Path(args.out))
+
+
+def _prebuild(cfg: ClawRayConfig) -> None:
+    """Build the embedded model in this process, with progress, before replicas need it."""
+    if cfg.model_cfg.path.startswith("embedded:"):
+        from clawray.models.tiny import build_embedded_default
+
+        build_embedded_default(progress=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="clawray", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("build-model", help="build the embedded tiny model").set_defaults(
+        fn=cmd_build_model)
+    for name, fn, help_ in (("serve", cmd_serve, "serve the policy model"),
+                            ("demo", cmd_demo, "serve + replay an OpenClaw session")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("-c", "--config", help="clawray YAML config")
+        p.add_argument("--port", type=int, help="HTTP port (default from config: 8000)")
+        if name == "demo":
+            p.add_argument("--out", default="demo-output", help="where the demo writes results")
+        p.set_defaults(fn=fn)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"clawray: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

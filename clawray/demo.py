@@ -1,0 +1,112 @@
+"""The quick-start demo: serve the embedded default and talk to it like an agent app would.
+
+Starts local Ray + the Serve app, runs a 3-turn agent session through the official ``openai``
+SDK (streaming, tools, a tool-call round trip, session headers), then reads the recorded
+TurnRecords back and checks they are token-exact. Writes ``summary.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from clawray.config import ClawRayConfig
+from clawray.records import read_jsonl_records
+
+LS_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "ls",
+        "description": "List files in a directory.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                       "required": ["path"]},
+    },
+}
+
+USER_TURNS = [
+    "Hello, what is 2+2?",
+    "Thanks. Please CALL_TOOL and list the workspace.",
+    "Great, that is all for now.",
+]
+
+
+def run_demo(cfg: ClawRayConfig, records_dir: Path) -> int:
+    from openai import OpenAI
+
+    from clawray.cli import start_serving
+    from clawray.models.loader import load_tokenizer
+    from clawray.serve.policy_server import policy_model_info
+
+    records_dir.mkdir(parents=True, exist_ok=True)
+    records_path = records_dir / "turns.jsonl"
+    records_path.unlink(missing_ok=True)
+    cfg = cfg.copy_with(serving={"record_sink": "jsonl", "records_path": str(records_path)})
+    base_url = start_serving(cfg, blocking=False)
+    info = policy_model_info(cfg)
+    keys = cfg.serving_cfg.resolved_api_keys()
+    client = OpenAI(base_url=base_url, api_key=keys[0] if keys else "none", max_retries=0)
+    session = f"demo-{int(time.time())}"
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a helpful agent. Use tools when asked."}]
+    print(f"clawray demo: model {info.name} at {base_url}, session {session}")
+    for text in USER_TURNS:
+        messages.append({"role": "user", "content": text})
+        for _ in range(3):  # a tool call is answered by a tool result and a follow-up request
+            reply, calls = _stream_turn(client, info.name, messages, session)
+            print(f"  user: {text!r}\n  assistant: {reply!r}" + (f" tool_calls={calls}" if calls else ""))
+            messages.append({"role": "assistant", "content": reply or None,
+                             **({"tool_calls": calls} if calls else {})})
+            if not calls:
+                break
+            for c in calls:
+                messages.append({"role": "tool", "tool_call_id": c["id"],
+                                 "content": json.dumps(["README.md", "src/", "tests/"])})
+    records = _wait_for_records(records_path, expected=len(
+        [m for m in messages if m["role"] == "assistant"]))
+    tok = load_tokenizer(info.path)
+    exact = all(_token_exact(tok, r) for r in records)
+    summary = {"session": session, "turns": len(records), "token_exact": exact,
+               "records": str(records_path),
+               "policy_versions": sorted({r.policy_version for r in records}),
+               "tool_calls": sum(len(r.tool_calls) for r in records)}
+    (records_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    return 0 if records and exact else 1
+
+
+def _stream_turn(client: Any, model: str, messages: list[dict[str, Any]], session: str
+                 ) -> tuple[str, list[dict[str, Any]]]:
+    stream = client.chat.completions.create(
+        model=model, messages=messages, tools=[LS_TOOL], tool_choice="auto", stream=True,
+        stream_options={"include_usage": True}, max_completion_tokens=64, temperature=0,
+        extra_headers={"X-Session-Id": session, "X-Turn-Type": "main"})
+    text, calls = "", {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            d = choice.delta
+            text += d.content or ""
+            for tc in d.tool_calls or []:
+                calls[tc.index] = {"id": tc.id, "type": "function",
+                                   "function": {"name": tc.function.name,
+                                                "arguments": tc.function.arguments}}
+    return text, [calls[i] for i in sorted(calls)]
+
+
+def _token_exact(tok: Any, r: Any) -> bool:
+    """The prompt ids are the template applied to the request; one log-prob per response id."""
+    text = tok.apply_chat_template(r.messages, tools=r.tools, add_generation_prompt=True,
+                                   tokenize=False)
+    return (tok.encode(text, add_special_tokens=False) == r.prompt_ids
+            and len(r.response_ids) == len(r.response_logprobs) > 0)
+
+
+def _wait_for_records(path: Path, expected: int, timeout_s: float = 30.0) -> list:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        records = read_jsonl_records(path)
+        if len(records) >= expected:
+            return records
+        time.sleep(0.2)
+    return read_jsonl_records(path)

@@ -1,0 +1,40 @@
+"""``build_app(config)``: the Ray Serve application, used by ``deployments/*.yaml``.
+
+    applications:
+      - name: clawray
+        import_path: clawray.serve.app:build_app
+        args: {model: {path: embedded:tiny}, serving: {default_turn_type: main}}
+
+``args`` is a clawray config (the same keys as a clawray YAML file), or ``{config: path}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from clawray.config import ClawRayConfig
+from clawray.serve.ingress import Ingress
+from clawray.serve.policy_server import PolicyServer
+
+
+def build_app(args: dict[str, Any] | ClawRayConfig | None = None) -> Application:
+    if isinstance(args, ClawRayConfig):
+        cfg = args
+    elif args and set(args) == {"config"}:
+        cfg = ClawRayConfig.from_yaml(args["config"])
+    else:
+        cfg = ClawRayConfig.from_dict(args or {})
+    cfg.validate()
+    s = cfg.serving_cfg
+    data = cfg.to_dict()
+    actor = {"num_cpus": s.replica_num_cpus, "num_gpus": s.replica_num_gpus}
+    ingress = Ingress.options(num_replicas=s.ingress_replicas,
+                              max_ongoing_requests=s.max_ongoing_requests)
+    if s.layout == "colocated":
+        return ingress.options(ray_actor_options=actor).bind(data)
+    policy = PolicyServer.options(num_replicas=s.policy_replicas,
+                                  max_ongoing_requests=s.max_ongoing_requests,
+                                  ray_actor_options=actor)
+    return ingress.options(ray_actor_options={"num_cpus": 0}).bind(data, policy.bind(data))

@@ -1,0 +1,146 @@
+"""The public OpenAI-compatible HTTP surface, as a Ray Serve ingress deployment.
+
+Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /healthz``. Everything else a
+deployment can do (status, pause/resume, weights) is a plain method, reachable only through a
+Ray handle from inside the cluster — never through HTTP.
+"""
+
+
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from clawray.config import ClawRayConfig
+from clawray.models.loader import load_tokenizer
+from clawray.records import make_sink
+from clawray.serve.auth import KeyChecker
+from clawray.serve.chat import ChatService
+from clawray.serve.policy_server import HandlePolicy, LocalPolicy, PolicyCore, policy_model_info
+from clawray.serve.protocol import APIError, parse_request
+
+logger = logging.getLogger(__name__)
+
+api = FastAPI(title="clawray", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    err = APIError(exc.status_code, str(exc.detail), type="invalid_request_error")
+    return JSONResponse(err.body(), status_code=exc.status_code)
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) anything over ``limit`` bytes before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes",
+                           code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class IngressCore:
+    """The route handlers, independent of Serve so tests and benchmarks can mount them anywhere."""
+
+    def __init__(self, cfg: ClawRayConfig, policy_handle: Any = None) -> None:
+        self.cfg = cfg
+        s = cfg.serving_cfg
+        if policy_handle is None:
+            self.core: PolicyCore | None = PolicyCore(cfg)
+            info, policy = self.core.info, LocalPolicy(self.core.engine)
+            max_len = self.core.engine.max_model_len
+        else:
+            self.core = None
+            info = policy_model_info(cfg)
+            policy = HandlePolicy(policy_handle)
+            max_len = cfg.model_cfg.max_model_len or info.max_model_len
+        self.info = info
+        self.keys = KeyChecker(s.resolved_api_keys())
+        self.sink = make_sink(s.record_sink, s.records_path)
+        self.service = ChatService(load_tokenizer(info.path), policy, info.name, max_len, s,
+                                   self.sink)
+        self.started = int(time.time())
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            self.keys.check(request.headers)
+            raw = await read_body(request, self.cfg.serving_cfg.max_body_bytes)
+            req, body_fields = parse_request(raw)
+            turn = await self.service.prepare(req, request.headers, body_fields)
+            if not req.stream:
+                return JSONResponse(await self.service.complete(turn))
+            events = self.service.stream(turn)
+            first = await anext(events)  # engine errors surface here, before any byte is sent
+        except APIError as e:
+            return error_response(e)
+        return StreamingResponse(_prepend(first, events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.keys.check(request.headers)
+        except APIError as e:
+            return error_response(e)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.info.name, "object": "model", "created": self.started, "owned_by": "clawray",
+             "max_model_len": self.service.max_model_len}]})
+
+    async def status(self) -> dict[str, Any]:
+        st = await self.service.policy.status()
+        return {"model": self.info.name, "engine": st.engine, "policy_version": st.policy_version,
+                "running": st.running, "waiting": st.waiting, "paused": st.paused,
+                "max_model_len": st.max_model_len}
+
+
+async def _prepend(first: str, rest: Any) -> Any:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(api)
+class Ingress:
+    """Serve shell around ``IngressCore``; admin methods are handle-only."""
+
+    def __init__(self, config: dict, policy_handle: Any = None) -> None:
+        self._core = IngressCore(ClawRayConfig.from_dict(config), policy_handle)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._core.chat_completions(request)
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        return await self._core.models(request)
+
+    @api.get("/healthz")
+    async def healthz(self) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    # ---- handle-only admin surface (no route) ----
+    async def status(self) -> dict[str, Any]:
+        return await self._core.status()
+
+    async def load_weights(self, state_dict: dict, policy_version: int) -> None:
+        if self._core.core is None:
+            raise RuntimeError("split layout: load weights into the PolicyServer deployment")
+        await self._core.core.load_weights(state_dict, policy_version)

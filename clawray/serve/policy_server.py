@@ -1,0 +1,111 @@
+"""PolicyServer: the deployment that owns an inference engine, and the clients that reach it.
+
+In the default ``colocated`` layout the ingress holds a ``LocalPolicy`` (the engine in its own
+process: no extra hop on the hot path). In the ``split`` layout it holds a ``HandlePolicy`` that
+calls ``PolicyServer`` replicas through a Serve deployment handle. Admin operations (status,
+pause/resume, weight loading) are deployment methods reachable only through Ray handles, never
+through an HTTP route.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, AsyncIterator
+
+from ray import serve
+
+from clawray.config import ClawRayConfig
+from clawray.inference.engine import Engine, EngineStatus, SamplingParams, TokenDelta, TokenOutput
+from clawray.inference.factory import make_engine
+from clawray.models.loader import ModelInfo, resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+
+EMBEDDED_SERVED_NAME = "clawray-tiny"
+
+
+def policy_model_info(cfg: ClawRayConfig) -> ModelInfo:
+    """The served model's folder (building the embedded default if needed) and name."""
+    m = cfg.model_cfg
+    path = resolve_model_path(m.path, seed=m.seed)
+    default_name = EMBEDDED_SERVED_NAME if m.path.startswith("embedded:") else None
+    return ModelInfo.from_path(path, m.served_name or default_name)
+
+
+def load_policy_engine(cfg: ClawRayConfig) -> tuple[Engine, ModelInfo]:
+    info = policy_model_info(cfg)
+    engine = make_engine(cfg.model_cfg, cfg.inference_cfg, info)
+    logger.info("engine %s ready for %s (context %d)", cfg.inference_cfg.engine, info.name,
+                engine.max_model_len)
+    return engine, info
+
+
+class LocalPolicy:
+    """The engine in this process."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[TokenOutput]:
+        return await self.engine.generate(prompt_ids, params)
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        return self.engine.generate_stream(prompt_ids, params)
+
+    async def status(self) -> EngineStatus:
+        return await self.engine.status()
+
+
+class HandlePolicy:
+    """A PolicyServer deployment behind a Serve handle."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self._streaming = handle.options(stream=True)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[TokenOutput]:
+        return await self.handle.generate.remote(prompt_ids, params)
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        return self._streaming.generate_stream.remote(prompt_ids, params)
+
+    async def status(self) -> EngineStatus:
+        return await self.handle.status.remote()
+
+
+class PolicyCore:
+    """What a PolicyServer replica does, without Serve (the colocated ingress uses it too)."""
+
+    def __init__(self, cfg: ClawRayConfig) -> None:
+        self.engine, self.info = load_policy_engine(cfg)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[TokenOutput]:
+        return await self.engine.generate(prompt_ids, params)
+
+    async def generate_stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        async for delta in self.engine.generate_stream(prompt_ids, params):
+            yield delta
+
+    async def prompt_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        return await self.engine.prompt_logprobs(prompt_ids, response_ids)
+
+    async def load_weights(self, state_dict: dict, policy_version: int) -> None:
+        await self.engine.load_weights(state_dict, policy_version)
+
+    async def status(self) -> EngineStatus:
+        return await self.engine.status()
+
+    async def pause(self) -> None:
+        await self.engine.pause()
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+
+@serve.deployment(name="PolicyServer")
+class PolicyServer(PolicyCore):
+    """A Serve replica wrapping one engine (``split`` layout)."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__(ClawRayConfig.from_dict(config))

@@ -1,0 +1,100 @@
+"""Shared fixtures: one Ray cluster and one Serve app on the embedded default per test session."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "openclaw"
+if not FIXTURES.is_dir():  # CI clones main into another folder with shared/ beside it
+    FIXTURES = Path(os.environ.get("CLAWRAY_FIXTURES", FIXTURES))
+API_KEY = "sk-clawray-test"
+
+
+def load_fixture(name: str) -> dict:
+    return json.loads((FIXTURES / name).read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    from clawray.models.tiny import build_embedded_default
+
+    return build_embedded_default()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_path):
+    from clawray.models.loader import load_tokenizer
+
+    return load_tokenizer(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             logging_level="WARNING", namespace="clawray-tests")
+    yield ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+@dataclasses.dataclass
+class Served:
+    base_url: str
+    api_key: str
+    model: str
+    records_path: Path
+    app_name: str
+
+    def handle(self):
+        from ray import serve
+
+        return serve.get_app_handle(self.app_name)
+
+    def records(self, expected: int = 1, timeout_s: float = 20.0, **match):
+        """Records matching ``match`` (field=value), waiting until ``expected`` arrived."""
+        from clawray.records import read_jsonl_records
+
+        deadline = time.time() + timeout_s
+        while True:
+            found = [r for r in read_jsonl_records(self.records_path)
+                     if all(getattr(r, k) == v for k, v in match.items())]
+            if len(found) >= expected or time.time() > deadline:
+                return found
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="session")
+def served(ray_cluster, tiny_model_path, tmp_path_factory) -> Served:
+    from ray import serve
+
+    from clawray.config import ClawRayConfig
+    from clawray.serve.app import build_app
+
+    port = free_port()
+    records = tmp_path_factory.mktemp("records") / "turns.jsonl"
+    serve.start(http_options={"host": "127.0.0.1", "port": port},
+                logging_config={"log_level": "WARNING", "enable_access_log": False})
+    cfg = (ClawRayConfig()
+           .inference(max_running=16)
+           .serving(api_keys=[API_KEY], record_sink="jsonl", records_path=str(records),
+                    max_body_bytes=400_000, max_tokens_limit=100_000, default_max_tokens=32))
+    serve.run(build_app(cfg), name="clawray", route_prefix="/")
+    return Served(f"http://127.0.0.1:{port}/v1", API_KEY, "clawray-tiny", records, "clawray")

@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(fn=fn)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpx2", "httpcore", "openai"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return args.fn(args)
     except ConfigError as e:

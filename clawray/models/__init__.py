@@ -1,0 +1,1 @@
+"""Models: the embedded default (built from code) and loading of any local HF causal LM."""

@@ -76,6 +76,13 @@ class ServingConfig(_Section):
             "(scale GPU replicas independently)."
         ),
     )
+    direct_ingress: bool = Field(
+        True,
+        description=(
+            "`clawray serve`/`demo` start Ray with RAY_SERVE_ENABLE_DIRECT_INGRESS=1: the "
+            "ingress replica also listens on its own port (30000+), skipping the proxy hop."
+        ),
+    )
     ingress_replicas: int = Field(1, ge=1)
     policy_replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(512, ge=1)

@@ -16,8 +16,14 @@ from pathlib import Path
 from clawray.config import ClawRayConfig, ConfigError
 
 
-def _config(path: str | None) -> ClawRayConfig:
-    return ClawRayConfig.from_yaml(path) if path else ClawRayConfig()
+def _config(args: argparse.Namespace) -> ClawRayConfig:
+    """The config from ``--config`` and ``--port``, validated, with the embedded model built."""
+    cfg = ClawRayConfig.from_yaml(args.config) if args.config else ClawRayConfig()
+    if args.port:
+        cfg.serving(port=args.port)
+    cfg.validate()
+    _prebuild(cfg)
+    return cfg
 
 
 def start_serving(cfg: ClawRayConfig, *, blocking: bool) -> str:
@@ -40,7 +46,9 @@ def start_serving(cfg: ClawRayConfig, *, blocking: bool) -> str:
         logging_config={"log_level": "WARNING", "enable_access_log": False},
     )
     serve.run(build_app(cfg), name="clawray", route_prefix="/", blocking=False)
-    direct = direct_ingress_urls(s.host)
+    handle = serve.get_app_handle("clawray")
+    ours = {handle.instance_id.remote().result() for _ in range(4 * s.ingress_replicas)}
+    direct = direct_ingress_urls(s.host, ours)
     for url in direct:
         print(f"clawray: ingress replica serving directly at {url}/v1 (fastest)", flush=True)
     if blocking:
@@ -51,8 +59,12 @@ def start_serving(cfg: ClawRayConfig, *, blocking: bool) -> str:
     return (direct[0] if direct else f"http://{s.host}:{s.port}") + "/v1"
 
 
-def direct_ingress_urls(host: str, first_port: int = 30000, span: int = 16) -> list[str]:
-    """Ports of ingress replicas listening directly (direct ingress), found by /healthz."""
+def direct_ingress_urls(host: str, instances: set[str], first_port: int = 30000,
+                        span: int = 16) -> list[str]:
+    """Ports where this app's ingress replicas listen directly, found by /healthz.
+
+    A port answers for us only if its instance id is one of ours: another Ray cluster on the
+    same machine may hold ports in the same range."""
     if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
         return []
     import httpx
@@ -61,9 +73,10 @@ def direct_ingress_urls(host: str, first_port: int = 30000, span: int = 16) -> l
     for port in range(first_port, first_port + span):
         url = f"http://{host}:{port}"
         try:
-            if httpx.get(url + "/healthz", timeout=0.5).status_code == 200:
+            r = httpx.get(url + "/healthz", timeout=0.5)
+            if r.status_code == 200 and r.json().get("instance") in instances:
                 urls.append(url)
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             continue
     return urls
 
@@ -76,11 +89,7 @@ def cmd_build_model(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    cfg = _config(args.config)
-    if args.port:
-        cfg.serving(port=args.port)
-    cfg.validate()
-    _prebuild(cfg)
+    cfg = _config(args)
     print(f"clawray: serving {cfg.model_cfg.path} at http://{cfg.serving_cfg.host}:"
           f"{cfg.serving_cfg.port}/v1 (Ctrl-C stops)", flush=True)
     start_serving(cfg, blocking=True)
@@ -90,11 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from clawray.demo import run_demo
 
-    cfg = _config(args.config)
-    if args.port:
-        cfg.serving(port=args.port)
-    cfg.validate()
-    _prebuild(cfg)
+    cfg = _config(args)
     return run_demo(cfg, records_dir=Path(args.out))
 
 

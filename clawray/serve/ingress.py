@@ -8,6 +8,7 @@ Ray handle from inside the cluster — never through HTTP.
 
 import logging
 import time
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -75,6 +76,8 @@ class IngressCore:
         self.service = ChatService(load_tokenizer(info.path), policy, info.name, max_len, s,
                                    self.sink)
         self.started = int(time.time())
+        # Lets a launcher tell this app's replicas from another cluster's on a probed port.
+        self.instance_id = uuid.uuid4().hex[:16]
 
     async def chat_completions(self, request: Request) -> Response:
         try:
@@ -134,9 +137,12 @@ class Ingress:
 
     @api.get("/healthz")
     async def healthz(self) -> Response:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "instance": self._core.instance_id})
 
     # ---- handle-only admin surface (no route) ----
+    def instance_id(self) -> str:
+        return self._core.instance_id
+
     async def status(self) -> dict[str, Any]:
         return await self._core.status()
 

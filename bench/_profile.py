@@ -43,7 +43,8 @@ def _short(frame: str) -> str:
     if not m:
         return frame.strip()
     parts = m["file"].split("/")
-    where = "/".join(parts[-2:]) if parts[-1] in ("__init__.py", "main.py", "utils.py") else parts[-1]
+    generic = parts[-1] in ("__init__.py", "main.py", "utils.py")
+    where = "/".join(parts[-2:]) if generic else parts[-1]
     return f"{m['func']} ({where})"
 
 

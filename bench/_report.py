@@ -87,7 +87,8 @@ def target_checks(results: list[dict[str, Any]], baseline: str) -> list[dict[str
             row: dict[str, Any] = {"setup": setup, "scenario": scenario, "vs": baseline}
             met = []
             for level, target in TARGET_RPS_RATIO.items():
-                a, b = _cell(results, setup, scenario, level), _cell(results, baseline, scenario, level)
+                a = _cell(results, setup, scenario, level)
+                b = _cell(results, baseline, scenario, level)
                 ratio = round(a["rps"] / b["rps"], 3) if a and b and b["rps"] else None
                 row[f"rps_ratio_at_{level}"] = ratio
                 if ratio is not None:

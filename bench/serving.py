@@ -65,10 +65,14 @@ SETUPS = [
     Setup("peer-proxy", "peer", "proxy", "(b) uvicorn proxy -> httpx -> engine server"),
     Setup("engine-server", "peer", "engine", "plain uvicorn + IngressCore, no proxy"),
     Setup("serve-proxy", "ray-default", "proxy", "Ray Serve defaults, via Serve proxy"),
-    Setup("serve-direct", "ray-direct", "direct", "RAY_SERVE_ENABLE_DIRECT_INGRESS=1, replica port"),
-    Setup("serve-tput-direct", "ray-tput", "direct", "RAY_SERVE_THROUGHPUT_OPTIMIZED=1, replica port"),
-    Setup("serve-tput-proxy", "ray-tput", "proxy", "RAY_SERVE_THROUGHPUT_OPTIMIZED=1, via Serve proxy"),
-    Setup("serve-split-direct", "ray-split", "direct", "split layout, throughput-optimized, replica port"),
+    Setup("serve-direct", "ray-direct", "direct",
+          "RAY_SERVE_ENABLE_DIRECT_INGRESS=1, replica port"),
+    Setup("serve-tput-direct", "ray-tput", "direct",
+          "RAY_SERVE_THROUGHPUT_OPTIMIZED=1, replica port"),
+    Setup("serve-tput-proxy", "ray-tput", "proxy",
+          "RAY_SERVE_THROUGHPUT_OPTIMIZED=1, via Serve proxy"),
+    Setup("serve-split-direct", "ray-split", "direct",
+          "split layout, throughput-optimized, replica port"),
 ]
 # Ray environment and clawray layout of each Ray group.
 RAY_GROUPS: dict[str, tuple[dict[str, str], str]] = {
@@ -209,7 +213,8 @@ def selected_setups(names: str) -> list[Setup]:
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     unknown = set(wanted) - {s.name for s in SETUPS}
     if unknown:
-        raise SystemExit(f"unknown setups {sorted(unknown)}; choose from {[s.name for s in SETUPS]}")
+        raise SystemExit(f"unknown setups {sorted(unknown)}; "
+                         f"choose from {[s.name for s in SETUPS]}")
     return [s for s in SETUPS if s.name in wanted]
 
 

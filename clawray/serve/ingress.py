@@ -5,7 +5,9 @@ deployment can do (status, pause/resume, weights) is a plain method, reachable o
 Ray handle from inside the cluster — never through HTTP.
 """
 
-
+# No `from __future__ import annotations` here: Serve's ingress wrapper resolves the route
+# signatures at runtime, and string annotations turn `request: Request` into a query parameter
+# (every request then fails with HTTP 422).
 import logging
 import time
 import uuid

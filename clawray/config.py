@@ -117,6 +117,82 @@ class ServingConfig(_Section):
         return keys
 
 
+class SessionsConfig(_Section):
+    """The live-session state machine (SessionHub actors)."""
+
+    enabled: bool = Field(True, description="Turn main turns into samples (SessionHub actors).")
+    num_hubs: int = Field(1, ge=1, description="SessionHub shards; sessions map by id hash.")
+    idle_timeout_s: float = Field(
+        600.0, gt=0, description="A session with no request for this long is finalized."
+    )
+    feedback_window_s: float = Field(
+        30.0, ge=0,
+        description="A judged turn waits this long for /v1/feedback before it is sealed.",
+    )
+    max_sessions: int = Field(
+        100_000, ge=1, description="Live sessions per hub; beyond it the idlest are finalized."
+    )
+    max_pending_turns: int = Field(
+        64, ge=1, description="Turns waiting for a next state per session (oldest finalized)."
+    )
+    history_turns: int = Field(
+        4, ge=0, description="Earlier messages of the conversation shown to the judge."
+    )
+    at_least_one: bool = Field(
+        True, description="Keep one sample per session with a soft reward (docs/sessions.md)."
+    )
+    regenerate_reward: float | None = Field(
+        -1.0, description="Reward of a reply the user regenerated or edited; null: no sample."
+    )
+    sample_kinds: list[Literal["rl", "opd", "combine"]] = Field(
+        default_factory=lambda: ["rl"], description="Samples produced per judged turn."
+    )
+    flush_rows: int = Field(64, ge=1, description="Rows per write to the SampleBuffer.")
+    flush_interval_s: float = Field(0.5, gt=0)
+
+
+class JudgeConfig(_Section):
+    """Who judges a turn: the PRM votes and the OPD hint judge."""
+
+    backend: Literal["function", "server", "openai"] = Field(
+        "function",
+        description=(
+            "'function': a Python callable by import path (the default is the heuristic rule "
+            "judge, for CPU demos); 'server': a JudgeServer deployment (a second engine); "
+            "'openai': any OpenAI-compatible endpoint."
+        ),
+    )
+    function: str = Field("clawray.judging.rules:heuristic_judge")
+    model_path: str | None = Field(
+        None, description="JudgeServer model folder; default: the policy model."
+    )
+    url: str | None = Field(None, description="'openai' backend: base URL (…/v1).")
+    api_key_env: str = Field("CLAWRAY_JUDGE_API_KEY", description="'openai' backend key env var.")
+    model: str | None = Field(None, description="'openai' backend: model name.")
+    m: int = Field(3, ge=1, description="Votes per turn.")
+    temperature: float = Field(0.6, ge=0)
+    max_tokens: int = Field(512, ge=1)
+    num_voters: int = Field(2, ge=1, description="PRMVoter actors.")
+    timeout_s: float = Field(60.0, gt=0, description="Per judge call.")
+    retries: int = Field(2, ge=0)
+    opd_min_agree: int = Field(2, ge=1, description="Positive hint votes needed to use a hint.")
+    hint_max_chars: int = Field(600, ge=1)
+
+
+class BufferConfig(_Section):
+    """The SampleBuffer actor and its Parquet write-ahead log."""
+
+    path: str = Field("~/.cache/clawray/samples", description="Write-ahead log folder.")
+    seal_rows: int = Field(256, ge=1, description="Seal a batch at this many rows…")
+    seal_age_s: float = Field(1.0, gt=0, description="…or when its oldest row is this old.")
+    max_queued_rows: int = Field(
+        65_536, ge=1, description="Rows held in the object store; more wait on disk."
+    )
+    max_staleness: int | None = Field(
+        None, ge=0, description="Skip samples more than this many policy versions old."
+    )
+
+
 class ClawRayConfig(_Section):
     """The whole configuration; builder methods mirror RLlib's ``AlgorithmConfig``."""
 
@@ -127,6 +203,9 @@ class ClawRayConfig(_Section):
     model_cfg: ModelConfig = Field(default_factory=ModelConfig, alias="model")
     inference_cfg: InferenceConfig = Field(default_factory=InferenceConfig, alias="inference")
     serving_cfg: ServingConfig = Field(default_factory=ServingConfig, alias="serving")
+    sessions_cfg: SessionsConfig = Field(default_factory=SessionsConfig, alias="sessions")
+    judge_cfg: JudgeConfig = Field(default_factory=JudgeConfig, alias="judge")
+    buffer_cfg: BufferConfig = Field(default_factory=BufferConfig, alias="buffer")
 
     # ---- builder methods (one per concern; each returns self) ----
     def model(self, **kwargs: Any) -> "ClawRayConfig":
@@ -139,6 +218,18 @@ class ClawRayConfig(_Section):
 
     def serving(self, **kwargs: Any) -> "ClawRayConfig":
         self.serving_cfg = _updated(self.serving_cfg, kwargs)
+        return self
+
+    def sessions(self, **kwargs: Any) -> "ClawRayConfig":
+        self.sessions_cfg = _updated(self.sessions_cfg, kwargs)
+        return self
+
+    def judge(self, **kwargs: Any) -> "ClawRayConfig":
+        self.judge_cfg = _updated(self.judge_cfg, kwargs)
+        return self
+
+    def buffer(self, **kwargs: Any) -> "ClawRayConfig":
+        self.buffer_cfg = _updated(self.buffer_cfg, kwargs)
         return self
 
     # ---- loading and dumping ----
@@ -192,6 +283,11 @@ class ClawRayConfig(_Section):
                 problems.append(f"model.path={m.path!r} does not exist (weights load from disk only)")
         elif m.path != EMBEDDED_MODEL:
             problems.append(f"unknown embedded model {m.path!r}; the only one is {EMBEDDED_MODEL!r}")
+        j = self.judge_cfg
+        if j.backend == "openai" and not (j.url and j.model):
+            problems.append("judge.backend='openai' needs judge.url and judge.model")
+        if j.opd_min_agree > j.m:
+            problems.append(f"judge.opd_min_agree={j.opd_min_agree} exceeds judge.m={j.m}")
         if problems:
             raise ConfigError("invalid clawray config:\n  - " + "\n  - ".join(problems))
         return self

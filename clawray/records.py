@@ -46,6 +46,8 @@ class TurnRecord:
     choice_index: int = 0
     created_at: float = dataclasses.field(default_factory=time.time)
     finished_at: float = 0.0
+    started_at: float = 0.0  # when the request arrived (precise; created_at is whole seconds)
+    retry: bool = False  # the client marked it a retry (x-stainless-retry-count > 0)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

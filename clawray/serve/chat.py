@@ -65,6 +65,7 @@ class PreparedTurn:
     tools: list[dict[str, Any]] | None
     parse_tools: bool
     include_usage: bool
+    started_at: float = 0.0
 
 
 class ChatService:
@@ -88,6 +89,7 @@ class ChatService:
     async def prepare(
         self, req: ChatCompletionRequest, headers: Mapping[str, str], body_fields: Mapping[str, Any]
     ) -> PreparedTurn:
+        started_at = time.time()
         if req.model not in (None, "", self.served_model):
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
                            f"'{self.served_model}'", param="model", code="model_not_found")
@@ -126,6 +128,7 @@ class ChatService:
             tools=tools,
             parse_tools=bool(tools) and req.tool_choice != "none",
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            started_at=started_at,
         )
 
     def _max_tokens(self, req: ChatCompletionRequest) -> int:
@@ -272,6 +275,8 @@ class ChatService:
             choice_index=index,
             created_at=turn.created,
             finished_at=time.time(),
+            started_at=turn.started_at,
+            retry=turn.meta.retry,
         )
         try:
             self.sink.put(record)

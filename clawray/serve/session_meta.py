@@ -11,6 +11,9 @@ Sources, first match wins (REFERENCE §1 plus OpenClaw's session-affinity option
   anything else is a side turn; default from ``serving.default_turn_type``.
 - session done: ``X-Session-Done`` header or ``session_done`` body field, true for
   1/true/yes/on (any case).
+- retry: the client says the request repeats an earlier one (the OpenAI SDKs send
+  ``x-stainless-retry-count``; ``X-Retry: 1`` works for others). A retry is never taken for the
+  user regenerating a reply.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class SessionMeta:
     source: str
     turn_type: str
     session_done: bool
+    retry: bool = False
 
 
 def session_meta(
@@ -59,7 +63,9 @@ def session_meta(
         turn_type = "side"
 
     done_raw = headers.get("x-session-done", body_fields.get("session_done", False))
-    return SessionMeta(session_id, source, turn_type, _truthy(done_raw))
+    retry_count = str(headers.get("x-stainless-retry-count", "0")).strip()
+    retry = (retry_count.isdigit() and int(retry_count) > 0) or _truthy(headers.get("x-retry", ""))
+    return SessionMeta(session_id, source, turn_type, _truthy(done_raw), retry)
 
 
 def derive_session_key(messages: list[dict[str, Any]]) -> str:

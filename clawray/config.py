@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 EMBEDDED_MODEL = "embedded:tiny"
 
@@ -102,10 +102,20 @@ class ServingConfig(_Section):
             "'side', which trains nothing."
         ),
     )
-    record_sink: str = Field(
-        "jsonl",
-        description="'jsonl', 'memory', 'none', or 'module:attr' of a RecordSink factory.",
+    record_sink: list[str] = Field(
+        default_factory=lambda: ["hub"],
+        description=(
+            "Where turn records go, any of: 'hub' (the session pipeline that turns main turns "
+            "into judged samples), 'jsonl', 'memory', 'none', or 'module:attr' of a RecordSink "
+            "factory. A single string is accepted."
+        ),
     )
+
+    @field_validator("record_sink", mode="before")
+    @classmethod
+    def _sink_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
     records_path: str = Field(
         "~/.cache/clawray/records/turns.jsonl", description="File of the 'jsonl' sink."
     )
@@ -120,7 +130,6 @@ class ServingConfig(_Section):
 class SessionsConfig(_Section):
     """The live-session state machine (SessionHub actors)."""
 
-    enabled: bool = Field(True, description="Turn main turns into samples (SessionHub actors).")
     num_hubs: int = Field(1, ge=1, description="SessionHub shards; sessions map by id hash.")
     idle_timeout_s: float = Field(
         600.0, gt=0, description="A session with no request for this long is finalized."

@@ -118,6 +118,25 @@ class JsonlSink:
         self._thread.join(timeout=10)
 
 
+class TeeSink:
+    """Hands each record to several sinks; one failing sink does not starve the others."""
+
+    def __init__(self, sinks: list[RecordSink]) -> None:
+        self.sinks = sinks
+
+    def put(self, record: TurnRecord) -> None:
+        for sink in self.sinks:
+            try:
+                sink.put(record)
+            except Exception:
+                logger.exception("record sink %s failed for %s", type(sink).__name__,
+                                 record.record_id)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
 def read_jsonl_records(path: str | Path) -> list[TurnRecord]:
     p = Path(path).expanduser()
     if not p.exists():

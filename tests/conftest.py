@@ -61,6 +61,30 @@ class Served:
     model: str
     records_path: Path
     app_name: str
+    samples_path: Path | None = None
+    config: object = None
+
+    def pipeline(self):
+        from clawray.sessions.pipeline import attach_live_pipeline
+
+        return attach_live_pipeline(self.config, self.app_name)
+
+    def samples(self, expected: int = 1, timeout_s: float = 30.0, **match):
+        """Sample rows in the WAL matching ``match`` (column=value), flushing the hubs until
+        ``expected`` rows are there or ``timeout_s`` passed."""
+        import pyarrow.dataset as ds
+        import ray
+
+        pipe = self.pipeline()
+        deadline = time.time() + timeout_s
+        while True:
+            ray.get([h.flush.remote(timeout_s) for h in pipe.hubs], timeout=timeout_s + 10)
+            ray.get(pipe.buffer.flush.remote(), timeout=timeout_s)
+            table = ds.dataset(str(self.samples_path), format="parquet").to_table()
+            rows = [r for r in table.to_pylist() if all(r[k] == v for k, v in match.items())]
+            if len(rows) >= expected or time.time() > deadline:
+                return sorted(rows, key=lambda r: (r["turn"] or 0, r["kind"]))
+            time.sleep(0.3)
 
     def handle(self):
         from ray import serve
@@ -89,11 +113,16 @@ def served(ray_cluster, tiny_model_path, tmp_path_factory) -> Served:
 
     port = free_port()
     records = tmp_path_factory.mktemp("records") / "turns.jsonl"
+    samples = tmp_path_factory.mktemp("samples")
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 logging_config={"log_level": "WARNING", "enable_access_log": False})
     cfg = (ClawRayConfig()
            .inference(max_running=16)
-           .serving(api_keys=[API_KEY], record_sink="jsonl", records_path=str(records),
-                    max_body_bytes=400_000, max_tokens_limit=100_000, default_max_tokens=32))
+           .serving(api_keys=[API_KEY], record_sink=["jsonl", "hub"], records_path=str(records),
+                    max_body_bytes=400_000, max_tokens_limit=100_000, default_max_tokens=32)
+           .sessions(num_hubs=2, idle_timeout_s=6, feedback_window_s=3, flush_interval_s=0.2)
+           .judge(num_voters=2, timeout_s=20)
+           .buffer(path=str(samples), seal_age_s=0.2))
     serve.run(build_app(cfg), name="clawray", route_prefix="/")
-    return Served(f"http://127.0.0.1:{port}/v1", API_KEY, "clawray-tiny", records, "clawray")
+    return Served(f"http://127.0.0.1:{port}/v1", API_KEY, "clawray-tiny", records, "clawray",
+                  samples, cfg)

@@ -15,6 +15,7 @@ from typing import Any
 from ray.serve import Application
 
 from clawray.config import ClawRayConfig
+from clawray.judging.judge_server import JudgeServer
 from clawray.serve.ingress import Ingress
 from clawray.serve.policy_server import PolicyServer
 
@@ -32,9 +33,12 @@ def build_app(args: dict[str, Any] | ClawRayConfig | None = None) -> Application
     actor = {"num_cpus": s.replica_num_cpus, "num_gpus": s.replica_num_gpus}
     ingress = Ingress.options(num_replicas=s.ingress_replicas,
                               max_ongoing_requests=s.max_ongoing_requests)
+    judge = None
+    if cfg.judge_cfg.backend == "server" and "hub" in s.record_sink:
+        judge = JudgeServer.options(ray_actor_options=actor).bind(data)
     if s.layout == "colocated":
-        return ingress.options(ray_actor_options=actor).bind(data)
+        return ingress.options(ray_actor_options=actor).bind(data, None, judge)
     policy = PolicyServer.options(num_replicas=s.policy_replicas,
                                   max_ongoing_requests=s.max_ongoing_requests,
                                   ray_actor_options=actor)
-    return ingress.options(ray_actor_options={"num_cpus": 0}).bind(data, policy.bind(data))
+    return ingress.options(ray_actor_options={"num_cpus": 0}).bind(data, policy.bind(data), judge)

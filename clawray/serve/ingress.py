@@ -1,6 +1,7 @@
 """The public OpenAI-compatible HTTP surface, as a Ray Serve ingress deployment.
 
-Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /healthz``. Everything else a
+Routes: ``POST /v1/chat/completions``, ``POST /v1/feedback``, ``GET /v1/models``,
+``GET /healthz``. Everything else a
 deployment can do (status, pause/resume, weights) is a plain method, reachable only through a
 Ray handle from inside the cluster — never through HTTP.
 """
@@ -20,11 +21,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clawray.config import ClawRayConfig
 from clawray.models.loader import load_tokenizer
-from clawray.records import make_sink
+from clawray.records import RecordSink, TeeSink, make_sink
 from clawray.serve.auth import KeyChecker
 from clawray.serve.chat import ChatService
 from clawray.serve.policy_server import HandlePolicy, LocalPolicy, PolicyCore, policy_model_info
-from clawray.serve.protocol import APIError, parse_request
+from clawray.serve.protocol import APIError, parse_feedback, parse_request
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ async def read_body(request: Request, limit: int) -> bytes:
 class IngressCore:
     """The route handlers, independent of Serve so tests and benchmarks can mount them anywhere."""
 
-    def __init__(self, cfg: ClawRayConfig, policy_handle: Any = None) -> None:
+    def __init__(self, cfg: ClawRayConfig, policy_handle: Any = None,
+                 app_name: str = "clawray") -> None:
         self.cfg = cfg
         s = cfg.serving_cfg
         if policy_handle is None:
@@ -74,7 +76,17 @@ class IngressCore:
             max_len = cfg.model_cfg.max_model_len or info.max_model_len
         self.info = info
         self.keys = KeyChecker(s.resolved_api_keys())
-        self.sink = make_sink(s.record_sink, s.records_path)
+        self.hub_sink: Any = None
+        sinks: list[RecordSink] = []
+        for kind in s.record_sink:
+            if kind == "hub":
+                from clawray.sessions.pipeline import HubSink, start_live_pipeline
+
+                self.hub_sink = HubSink(start_live_pipeline(cfg, app_name))
+                sinks.append(self.hub_sink)
+            else:
+                sinks.append(make_sink(kind, s.records_path))
+        self.sink = sinks[0] if len(sinks) == 1 else TeeSink(sinks)
         self.service = ChatService(load_tokenizer(info.path), policy, info.name, max_len, s,
                                    self.sink)
         self.started = int(time.time())
@@ -95,6 +107,33 @@ class IngressCore:
             return error_response(e)
         return StreamingResponse(_prepend(first, events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def feedback(self, request: Request) -> Response:
+        try:
+            self.keys.check(request.headers)
+            raw = await read_body(request, 64_000)
+            fb = parse_feedback(raw)
+            if self.hub_sink is None:
+                raise APIError(400, "feedback needs the session pipeline: add 'hub' to "
+                               "serving.record_sink", code="feedback_disabled")
+            result = await self.hub_sink.feedback(fb.value(), fb.text, fb.response_id,
+                                                  fb.session_id)
+        except APIError as e:
+            return error_response(e)
+        what = f"response '{fb.response_id}'" if fb.response_id else f"session '{fb.session_id}'"
+        if result["status"] == "unknown":
+            return error_response(APIError(404, f"no live turn or session matches {what}",
+                                           param="response_id" if fb.response_id else "session_id",
+                                           code="not_found"))
+        if result["status"] == "sealed":
+            return error_response(APIError(
+                409, f"{what} was already written to the sample log; feedback must arrive within "
+                f"sessions.feedback_window_s={self.cfg.sessions_cfg.feedback_window_s:g} s of the "
+                "turn being judged", code="feedback_too_late"))
+        return JSONResponse({"object": "feedback", "status": "applied", "rating": fb.value(),
+                             "response_id": result.get("response_id"),
+                             "session_id": result.get("session_id"),
+                             "turns": result.get("turns", 0)})
 
     async def models(self, request: Request) -> Response:
         try:
@@ -126,12 +165,18 @@ async def _prepend(first: str, rest: Any) -> Any:
 class Ingress:
     """Serve shell around ``IngressCore``; admin methods are handle-only."""
 
-    def __init__(self, config: dict, policy_handle: Any = None) -> None:
-        self._core = IngressCore(ClawRayConfig.from_dict(config), policy_handle)
+    def __init__(self, config: dict, policy_handle: Any = None, judge_handle: Any = None) -> None:
+        # judge_handle only keeps a JudgeServer in the app; PRM voters look it up by name.
+        app_name = serve.get_replica_context().app_name
+        self._core = IngressCore(ClawRayConfig.from_dict(config), policy_handle, app_name)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._core.chat_completions(request)
+
+    @api.post("/v1/feedback")
+    async def feedback(self, request: Request) -> Response:
+        return await self._core.feedback(request)
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:

@@ -196,3 +196,41 @@ def _args_of(arguments: str | dict[str, Any]) -> str | dict[str, Any]:
     except json.JSONDecodeError:
         return arguments
     return parsed if isinstance(parsed, dict) else arguments
+
+
+class FeedbackRequest(BaseModel):
+    """``POST /v1/feedback``: a thumbs up/down for one response or a whole session."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    response_id: str | None = Field(None, max_length=200)
+    session_id: str | None = Field(None, max_length=500)
+    rating: Literal["up", "down"] | int
+    text: str | None = Field(None, max_length=8000)
+
+    @field_validator("rating")
+    @classmethod
+    def _rating(cls, v: str | int) -> str | int:
+        if v not in ("up", "down", 1, -1):
+            raise ValueError("rating must be 'up', 'down', 1 or -1")
+        return v
+
+    def value(self) -> int:
+        return 1 if self.rating in ("up", 1) else -1
+
+
+def parse_feedback(raw: bytes) -> FeedbackRequest:
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    try:
+        req = FeedbackRequest.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"]) or "body"
+        raise APIError(400, f"invalid value for '{loc}': {err['msg']}", param=loc) from None
+    if not (req.response_id or req.session_id):
+        raise APIError(400, "give 'response_id' (one turn) or 'session_id' (a whole session)",
+                       param="response_id")
+    return req

@@ -1,0 +1,134 @@
+"""PRM voters: Ray actors that call a judge backend, and the pool that judges one turn.
+
+``PRMVoter`` actors each hold a judge backend (function, JudgeServer handle or external
+endpoint) and serve many calls concurrently (async actors). ``VoterPool`` runs the ``m`` votes
+of a turn as one n=m call on one voter (a JudgeServer shares the prompt prefill across them),
+spreads turns over the voters, and bounds every call by a timeout with retries. A turn whose
+judge fails or hangs is returned as ``unjudged`` — never lost, never blocking serving — and is
+counted in the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import Any
+
+import ray
+
+from clawray.config import JudgeConfig
+from clawray.judging.backends import make_backend
+from clawray.judging.opd import inject_hint, select_hint
+from clawray.judging.parse import parse_hint_vote, parse_vote
+from clawray.judging.prompts import JudgeRequest, TurnContext, build_judge_request
+from clawray.sessions.core import JudgeJob, Verdict
+
+logger = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0)
+class PRMVoter:
+    """One judge backend behind an async actor."""
+
+    def __init__(self, judge: dict[str, Any], app_name: str | None = None) -> None:
+        cfg = JudgeConfig.model_validate(judge)
+        handle = None
+        if cfg.backend == "server":
+            from ray import serve
+
+            handle = serve.get_deployment_handle("JudgeServer", app_name=app_name or "clawray")
+        self.backend = make_backend(cfg, handle)
+
+    async def complete(self, request: JudgeRequest, n: int, temperature: float,
+                       max_tokens: int) -> list[str]:
+        return await self.backend.complete(request, n, temperature, max_tokens)
+
+    async def teacher_logprobs(self, messages: list[dict], tools: list[dict] | None,
+                               response_ids: list[int]) -> list[float]:
+        return await self.backend.teacher_logprobs(messages, tools, response_ids)
+
+    def ping(self) -> bool:
+        return True
+
+
+class VoterPool:
+    """Judges turns with m votes (and, for OPD, hints and teacher log-probs)."""
+
+    def __init__(self, voters: list[Any], cfg: JudgeConfig, kinds: list[str]) -> None:
+        if not voters:
+            raise ValueError("VoterPool needs at least one PRMVoter")
+        self.voters = voters
+        self.cfg = cfg
+        self.want_hints = bool({"opd", "combine"} & set(kinds))
+        self._next = itertools.cycle(range(len(voters)))
+        self.counters = {k: 0 for k in ("calls", "call_failures", "timeouts", "votes",
+                                        "parse_failures", "unjudged", "hints", "teacher_failures")}
+        self.latencies: list[float] = []  # judge latencies (s) not yet exported as metrics
+
+    async def judge(self, job: JudgeJob) -> Verdict:
+        ctx = TurnContext(history=job.history, request=job.request,
+                          response_text=job.record.response_text,
+                          response_tool_calls=job.record.tool_calls, next_state=job.next_state)
+        start = time.monotonic()
+        texts, error = await self._call("complete", build_judge_request("prm", ctx),
+                                        self.cfg.m, self.cfg.temperature, self.cfg.max_tokens)
+        if texts is None:
+            self.counters["unjudged"] += 1
+            return Verdict("unjudged", error=error)
+        votes = [parse_vote(t) for t in texts]
+        self.counters["votes"] += len(votes)
+        self.counters["parse_failures"] += sum(v is None for v in votes)
+        verdict = Verdict("judged", votes)
+        if self.want_hints:
+            await self._hint(job, ctx, verdict)
+        self.latencies.append(time.monotonic() - start)
+        del self.latencies[:-10_000]
+        return verdict
+
+    async def _hint(self, job: JudgeJob, ctx: TurnContext, verdict: Verdict) -> None:
+        """OPD: m hint votes; with enough agreement, teacher log-probs under the hinted prompt."""
+        texts, _ = await self._call("complete", build_judge_request("opd", ctx), self.cfg.m,
+                                    self.cfg.temperature, self.cfg.max_tokens)
+        if not texts:
+            return
+        hint = select_hint([parse_hint_vote(t, self.cfg.hint_max_chars) for t in texts],
+                           self.cfg.opd_min_agree)
+        if hint is None:
+            return
+        self.counters["hints"] += 1
+        hinted = inject_hint(job.hint_messages, hint)
+        teacher, error = await self._call("teacher_logprobs", hinted, job.record.tools,
+                                          job.record.response_ids)
+        if teacher is None or len(teacher) != len(job.record.response_ids):
+            self.counters["teacher_failures"] += 1
+            logger.warning("no teacher log-probs for %s (session %s): %s", job.record.record_id,
+                           job.session_id, error or "length mismatch")
+            return
+        verdict.hint, verdict.teacher_logprobs = hint, list(teacher)
+
+    async def _call(self, method: str, *args: Any) -> tuple[Any, str | None]:
+        """One voter call with timeout and retries; (result, None) or (None, last error)."""
+        error = None
+        for attempt in range(self.cfg.retries + 1):
+            voter = self.voters[next(self._next)]
+            self.counters["calls"] += 1
+            ref = getattr(voter, method).remote(*args)
+            try:
+                return await asyncio.wait_for(_await(ref), self.cfg.timeout_s), None
+            except asyncio.TimeoutError:
+                self.counters["timeouts"] += 1
+                error = f"judge call timed out after {self.cfg.timeout_s:g} s"
+                ray.cancel(ref)
+            except Exception as e:  # a judge failure is data about the judge, not a crash
+                self.counters["call_failures"] += 1
+                error = f"{type(e).__name__}: {e}"
+            logger.warning("judge %s attempt %d/%d failed: %s", method, attempt + 1,
+                           self.cfg.retries + 1, error)
+            await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
+        return None, error
+
+
+async def _await(ref: Any) -> Any:
+    return await ref

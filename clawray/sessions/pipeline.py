@@ -1,0 +1,105 @@
+"""Starting the live pipeline (SampleBuffer, PRM voters, SessionHubs) and the ingress sink.
+
+All three are named, detached actors in the ``clawray`` namespace, created with
+``get_if_exists``: every ingress replica of an app attaches to the same ones, they outlive an
+ingress restart, and a training job finds them by name (``{app}:buffer``, ``{app}:hub:{i}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any
+
+import ray
+
+from clawray.buffer_actor import start_sample_buffer
+from clawray.config import ClawRayConfig
+from clawray.judging.voters import PRMVoter
+from clawray.records import TurnRecord
+from clawray.sessions.hub import NAMESPACE, SessionHub, shard_of
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class LivePipeline:
+    app_name: str
+    buffer: Any
+    voters: list[Any]
+    hubs: list[Any]
+
+    def hub_for(self, session_id: str) -> Any:
+        return self.hubs[shard_of(session_id, len(self.hubs))]
+
+
+def names(app_name: str, cfg: ClawRayConfig) -> dict[str, Any]:
+    return {
+        "buffer": f"{app_name}:buffer",
+        "voters": [f"{app_name}:voter:{i}" for i in range(cfg.judge_cfg.num_voters)],
+        "hubs": [f"{app_name}:hub:{i}" for i in range(cfg.sessions_cfg.num_hubs)],
+    }
+
+
+def start_live_pipeline(cfg: ClawRayConfig, app_name: str = "clawray") -> LivePipeline:
+    """Create (or attach to) the app's buffer, voters and hubs."""
+    n = names(app_name, cfg)
+    buffer = start_sample_buffer(cfg.buffer_cfg, name=n["buffer"], namespace=NAMESPACE)
+    detached = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached",
+                "max_restarts": -1, "max_task_retries": -1}
+    voters = [PRMVoter.options(name=v, **detached).remote(cfg.judge_cfg.model_dump(), app_name)
+              for v in n["voters"]]
+    ray.get([v.ping.remote() for v in voters])  # attach only once they can take calls
+    hubs = [SessionHub.options(name=h, **detached).remote(cfg.to_dict(), i, n["buffer"], n["voters"])
+            for i, h in enumerate(n["hubs"])]
+    ray.get([h.stats.remote() for h in hubs])
+    return LivePipeline(app_name, buffer, voters, hubs)
+
+
+def attach_live_pipeline(cfg: ClawRayConfig, app_name: str = "clawray") -> LivePipeline:
+    """The running app's pipeline (for a training job or a test); fails if it is not running."""
+    n = names(app_name, cfg)
+    get = lambda name: ray.get_actor(name, namespace=NAMESPACE)  # noqa: E731
+    return LivePipeline(app_name, get(n["buffer"]), [get(v) for v in n["voters"]],
+                        [get(h) for h in n["hubs"]])
+
+
+class HubSink:
+    """The ingress's record sink: each record goes to its session's hub, fire-and-forget.
+
+    The call is retried by Ray through a hub restart (``max_task_retries=-1``); a call that
+    still fails is logged with the record's id and session, never dropped silently.
+    """
+
+    def __init__(self, pipeline: LivePipeline) -> None:
+        self.pipeline = pipeline
+
+    def put(self, record: TurnRecord) -> None:
+        ref = self.pipeline.hub_for(record.session_id).submit.remote(record.to_dict())
+        ref.future().add_done_callback(lambda f: _log_failure(f, record))
+
+    def close(self) -> None:
+        pass
+
+    async def feedback(self, rating: int, text: str | None, response_id: str | None,
+                       session_id: str | None) -> dict[str, Any]:
+        """Route feedback: by session to its hub, by response id to every hub (first wins)."""
+        if response_id is None:
+            return await self.pipeline.hub_for(session_id or "").feedback.remote(
+                rating, text, None, session_id)
+        hubs = ([self.pipeline.hub_for(session_id)] if session_id else self.pipeline.hubs)
+        results = await asyncio.gather(*(h.feedback.remote(rating, text, response_id, None)
+                                         for h in hubs))
+        for status in ("applied", "sealed"):
+            for r in results:
+                if r["status"] == status:
+                    return r
+        return results[0]
+
+
+def _log_failure(future: Any, record: TurnRecord) -> None:
+    exc = future.exception()
+    if exc is not None:
+        logger.error("turn %s of session %s could not reach its session hub: %s",
+                     record.record_id, record.session_id, exc)

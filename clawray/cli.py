@@ -3,6 +3,7 @@
     clawray build-model           # build (or reuse) the embedded tiny model, print its folder
     clawray serve [-c cfg.yaml]   # start Ray + the Serve app and block (Ctrl-C stops)
     clawray demo                  # serve the embedded default and replay an OpenClaw session
+    clawray samples stats PATH    # the sample log: counts, rewards; `samples head PATH -n 5`
 """
 
 from __future__ import annotations
@@ -112,11 +113,18 @@ def _prebuild(cfg: ClawRayConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["samples"]:
+        from clawray.samples_cli import main as samples_main
+
+        return samples_main(argv[1:])
     parser = argparse.ArgumentParser(prog="clawray", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("build-model", help="build the embedded tiny model").set_defaults(
         fn=cmd_build_model)
+    sub.add_parser("samples", help="inspect the sample log (stats, head)")
     for name, fn, help_ in (("serve", cmd_serve, "serve the policy model"),
                             ("demo", cmd_demo, "serve + replay an OpenClaw session")):
         p = sub.add_parser(name, help=help_)

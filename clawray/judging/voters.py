@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from clawray.config import JudgeConfig
-from clawray.judging.backends import make_backend
+from clawray.judging.backends import JudgeUnavailable, make_backend
 from clawray.judging.opd import inject_hint, select_hint
 from clawray.judging.parse import parse_hint_vote, parse_vote
 from clawray.judging.prompts import JudgeRequest, TurnContext, build_judge_request
@@ -121,6 +121,9 @@ class VoterPool:
                 self.counters["timeouts"] += 1
                 error = f"judge call timed out after {self.cfg.timeout_s:g} s"
                 ray.cancel(ref)
+            except JudgeUnavailable as e:  # retrying cannot help (e.g. no teacher scoring)
+                self.counters["call_failures"] += 1
+                return None, f"JudgeUnavailable: {e}"
             except Exception as e:  # a judge failure is data about the judge, not a crash
                 self.counters["call_failures"] += 1
                 error = f"{type(e).__name__}: {e}"

@@ -23,6 +23,7 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
+from clawray.judging.parse import aggregate
 from clawray.records import TurnRecord
 from clawray.sessions.matching import Fingerprinted, find_reply, rewinds, same_request
 
@@ -426,10 +427,4 @@ def _trainable(fin: FinishedTurn, rules: SessionRules) -> bool:
 
 def score_of(votes: list[int | None]) -> int:
     """Majority of valid votes; a tie or no valid vote gives 0 (REFERENCE §3)."""
-    valid = [v for v in votes if v is not None]
-    counts = {v: valid.count(v) for v in set(valid)}
-    if not counts:
-        return 0
-    best = max(counts.values())
-    winners = [v for v, c in counts.items() if c == best]
-    return winners[0] if len(winners) == 1 else 0
+    return aggregate(votes).score

@@ -1,0 +1,204 @@
+"""Judge prompts: the PRM rubric (REFERENCE §3) and the OPD hint judge (REFERENCE §4).
+
+OpenClaw-RL shows its judge only the reply and the next state; clawray also shows the request
+the reply answered and a bounded slice of earlier history (oldest messages dropped first, with
+a note saying how many), so "rephrases the same request" can actually be recognized.
+
+Every literal ``\\boxed{…}`` in a prompt sits inside one delimited format-examples section
+(``EXAMPLES_START`` … ``EXAMPLES_END``), written as glosses (``\\boxed{1} means …``). The parser
+(``parse.py``) relies on that to tell a verdict from an example the judge quotes back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Literal
+
+from clawray.judging.opd import is_ephemeral_context, message_text
+
+JudgeKind = Literal["prm", "opd"]
+
+EXAMPLES_START = ("[FORMAT EXAMPLES: these lines show how a verdict is written; "
+                  "they are not verdicts]")
+EXAMPLES_END = "[END FORMAT EXAMPLES]"
+HINT_START = "[HINT_START]"
+HINT_END = "[HINT_END]"
+
+
+@dataclasses.dataclass
+class TurnContext:
+    """Everything a judge may see about one assistant turn (OpenAI-format messages)."""
+
+    history: list[dict[str, Any]]  # earlier messages, the bounded slice before the request
+    request: list[dict[str, Any]]  # what the assistant answered (user message / tool results)
+    response_text: str | None
+    response_tool_calls: list[dict[str, Any]]
+    next_state: list[dict[str, Any]]  # what followed the reply: user reply and/or tool results
+
+
+@dataclasses.dataclass
+class JudgeRequest:
+    kind: str  # "prm" | "opd"
+    messages: list[dict[str, Any]]  # the rendered judge prompt (system + user)
+    context: TurnContext
+
+
+PRM_SYSTEM = f"""You are a process reward model. You judge ONE assistant turn of a conversation \
+between a user and an AI assistant (which may call tools) by what happened right after it: the \
+next state.
+
+You are shown the earlier conversation (possibly shortened), the request the assistant \
+answered, the assistant's reply (its text and tool calls), and the next state: the user's next \
+message and/or the results of the tools the assistant called, each labelled with its role.
+
+Score the reply:
+- +1 (progress): the next state shows the reply worked: the user moves on to something new or \
+thanks the assistant; a tool returns a successful, non-error result.
+- -1 (failure): the next state signals the reply failed: the user asks to redo, retry or repeat \
+it; asks for a correction or a change; rephrases the same request; or the environment returns \
+an error caused by the assistant's action. A request to change the answer IS negative feedback.
+- 0 (ambiguous): the next state shows neither.
+
+Judge from the evidence in the next state, not from your own opinion of the reply. Think step \
+by step, then end your answer with exactly one verdict box, written as in the format examples \
+below, with nothing after it.
+
+{EXAMPLES_START}
+\\boxed{{1}} means progress.
+\\boxed{{-1}} means failure.
+\\boxed{{0}} means ambiguous.
+{EXAMPLES_END}"""
+
+OPD_SYSTEM = f"""You review ONE assistant turn of a conversation between a user and an AI \
+assistant (which may call tools), knowing what happened right after it: the next state (the \
+user's next message and/or the results of the tools the assistant called).
+
+Decide whether the next state reveals useful hindsight: information showing how the reply \
+should have been, for example the user corrects it, says what they actually wanted, or a tool \
+error shows what the right call would have been.
+
+If it does, give the positive verdict box followed by a hint of 1 to 3 sentences between \
+{HINT_START} and {HINT_END}. Write the hint as an instruction to the assistant that would have \
+led to the better reply, as if the user had said it along with the request; do not mention the \
+next state. If it does not, give the negative verdict box and no hint. Think briefly first; \
+end your answer with the verdict (and hint), written as in the format examples below.
+
+{EXAMPLES_START}
+\\boxed{{1}} means useful hindsight, followed by a hint such as {HINT_START}Give the distance in \
+kilometres, not miles.{HINT_END}
+\\boxed{{-1}} means no useful hindsight.
+{EXAMPLES_END}"""
+
+
+def build_prm_prompt(ctx: TurnContext, max_history_chars: int = 8000,
+                     max_message_chars: int = 4000) -> list[dict[str, str]]:
+    """The PRM judge prompt (system rubric + the rendered turn)."""
+    return [{"role": "system", "content": PRM_SYSTEM},
+            {"role": "user", "content": render_turn(ctx, max_history_chars, max_message_chars)
+             + "\n\nJudge the assistant's reply by the next state."}]
+
+
+def build_opd_prompt(ctx: TurnContext, max_history_chars: int = 8000,
+                     max_message_chars: int = 4000) -> list[dict[str, str]]:
+    """The OPD hint-judge prompt (system instructions + the rendered turn)."""
+    return [{"role": "system", "content": OPD_SYSTEM},
+            {"role": "user", "content": render_turn(ctx, max_history_chars, max_message_chars)
+             + "\n\nDoes the next state reveal how the reply should have been?"}]
+
+
+def build_judge_request(kind: str, ctx: TurnContext, **kw: Any) -> JudgeRequest:
+    """A ``JudgeRequest`` of ``kind`` ("prm" or "opd"); ``kw`` go to the prompt builder."""
+    builders = {"prm": build_prm_prompt, "opd": build_opd_prompt}
+    if kind not in builders:
+        raise ValueError(f"unknown judge kind {kind!r}; expected 'prm' or 'opd'")
+    return JudgeRequest(kind=kind, messages=builders[kind](ctx, **kw), context=ctx)
+
+
+# ---------------------------------------------------------------------------- rendering
+def render_turn(ctx: TurnContext, max_history_chars: int = 8000,
+                max_message_chars: int = 4000) -> str:
+    """The turn as labelled sections: history, request, reply, next state."""
+    names = _tool_names(ctx)
+    sections = []
+    history = render_history(ctx.history, names, max_history_chars, max_message_chars)
+    if history:
+        sections.append("## Earlier conversation\n" + history)
+    request = "\n\n".join(_render_message(m, names, max_message_chars) for m in ctx.request)
+    sections.append("## The request the assistant answered\n" + (request or "(none)"))
+    sections.append("## The assistant's reply\n" + render_reply(
+        ctx.response_text, ctx.response_tool_calls, max_message_chars))
+    following = "\n\n".join(_render_message(m, names, max_message_chars) for m in ctx.next_state)
+    sections.append("## The next state (what happened right after the reply)\n"
+                    + (following or "(nothing)"))
+    return "\n\n".join(sections)
+
+
+def render_history(history: list[dict[str, Any]], names: dict[str, str],
+                   max_chars: int, max_message_chars: int = 4000) -> str:
+    """The newest history messages that fit in ``max_chars``; older ones are dropped and
+    counted in a leading ``[… N earlier messages omitted]`` note."""
+    kept: list[str] = []
+    used = 0
+    for msg in reversed(history):
+        text = _render_message(msg, names, max_message_chars)
+        if used + len(text) > max_chars:
+            break
+        kept.append(text)
+        used += len(text)
+    omitted = len(history) - len(kept)
+    plural = "s" if omitted != 1 else ""
+    lines = [f"[… {omitted} earlier message{plural} omitted]"] if omitted else []
+    return "\n\n".join(lines + kept[::-1])
+
+
+def render_reply(text: str | None, tool_calls: list[dict[str, Any]],
+                 max_message_chars: int = 4000) -> str:
+    parts = [_shorten(text, max_message_chars)] if text and text.strip() else []
+    parts += ["[tool call] " + render_tool_call(c) for c in tool_calls]
+    return "\n".join(parts) or "(empty reply)"
+
+
+def render_tool_call(call: dict[str, Any]) -> str:
+    """``name({"arg": …})`` for an OpenAI tool call (arguments given as text or as a dict)."""
+    fn = call.get("function", call)
+    args = fn.get("arguments")
+    if args is None:
+        args = "{}"
+    elif not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False)
+    return f"{fn.get('name', '?')}({args})"
+
+
+def _render_message(msg: dict[str, Any], names: dict[str, str], max_chars: int) -> str:
+    role = msg.get("role", "?")
+    if is_ephemeral_context(msg):
+        return "[runtime context, not written by the user: omitted]"
+    text = _shorten(message_text(msg), max_chars)
+    if role == "tool":
+        name = names.get(msg.get("tool_call_id") or "", msg.get("name") or "a tool")
+        return f"[tool result for {name}]\n{text}"
+    if role == "assistant":
+        return "[assistant]\n" + render_reply(text, msg.get("tool_calls") or [], max_chars)
+    return f"[{role}]\n{text}"
+
+
+def _tool_names(ctx: TurnContext) -> dict[str, str]:
+    """tool_call_id → tool name, from every assistant tool call the judge can see."""
+    names: dict[str, str] = {}
+    calls = [c for m in ctx.history + ctx.request if m.get("role") == "assistant"
+             for c in (m.get("tool_calls") or [])] + list(ctx.response_tool_calls)
+    for c in calls:
+        if c.get("id"):
+            names[c["id"]] = c.get("function", c).get("name", "a tool")
+    return names
+
+
+def _shorten(text: str | None, max_chars: int) -> str:
+    """Keep the head and tail of an over-long message (errors show at either end)."""
+    text = text or ""
+    if len(text) <= max_chars:
+        return text
+    head = max_chars * 2 // 3
+    tail = max_chars - head
+    return f"{text[:head]}\n[… {len(text) - head - tail} characters omitted …]\n{text[-tail:]}"

@@ -2,7 +2,9 @@
 
 Starts local Ray + the Serve app, runs a 3-turn agent session through the official ``openai``
 SDK (streaming, tools, a tool-call round trip, session headers), then reads the recorded
-TurnRecords back and checks they are token-exact. Writes ``summary.json`` into ``--out``.
+TurnRecords back and checks they are token-exact, and reads the judged training samples the
+session produced from the Parquet sample log (the heuristic rule judge is the CPU default).
+Writes ``summary.json``, ``turns.jsonl`` and ``samples/`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ LS_TOOL = {
     },
 }
 
+IDLE_S = 3.0
 USER_TURNS = [
     "Hello, what is 2+2?",
     "Thanks. Please CALL_TOOL and list the workspace.",
@@ -42,7 +45,10 @@ def run_demo(cfg: ClawRayConfig, records_dir: Path) -> int:
     records_dir.mkdir(parents=True, exist_ok=True)
     records_path = records_dir / "turns.jsonl"
     records_path.unlink(missing_ok=True)
-    cfg = cfg.copy_with(serving={"record_sink": "jsonl", "records_path": str(records_path)})
+    samples_path = records_dir / "samples"
+    cfg = cfg.copy_with(serving={"record_sink": ["jsonl", "hub"], "records_path": str(records_path)},
+                        sessions={"feedback_window_s": 0.0, "idle_timeout_s": IDLE_S},
+                        buffer={"path": str(samples_path), "seal_age_s": 0.2})
     base_url = start_serving(cfg, blocking=False)
     info = policy_model_info(cfg)
     keys = cfg.serving_cfg.resolved_api_keys()
@@ -67,13 +73,47 @@ def run_demo(cfg: ClawRayConfig, records_dir: Path) -> int:
         [m for m in messages if m["role"] == "assistant"]))
     tok = load_tokenizer(info.path)
     exact = all(_token_exact(tok, r) for r in records)
+    # Like OpenClaw, the demo never says the session is done: the idle timeout ends it.
+    print(f"  (waiting {IDLE_S:g} s for the session's idle timeout to finalize its last turn)")
+    time.sleep(IDLE_S)
+    samples = _read_samples(cfg, samples_path, session, expected=len(records))
+    for row in samples:
+        print(f"  sample turn {row['turn']}: {row['judge_status']:<13} reward {row['reward']:+.0f}"
+              f"  votes {row['votes']}  mask {'on' if any(row['loss_mask']) else 'off'}"
+              f"  {len(row['prompt_ids'])}+{len(row['response_ids'])} tokens")
     summary = {"session": session, "turns": len(records), "token_exact": exact,
                "records": str(records_path),
                "policy_versions": sorted({r.policy_version for r in records}),
-               "tool_calls": sum(len(r.tool_calls) for r in records)}
+               "tool_calls": sum(len(r.tool_calls) for r in records),
+               "samples": len(samples), "samples_path": str(samples_path),
+               "trainable_samples": sum(1 for r in samples if any(r["loss_mask"])),
+               "rewards": [r["reward"] for r in samples]}
     (records_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
-    return 0 if records and exact else 1
+    return 0 if records and exact and len(samples) == len(records) else 1
+
+
+def _read_samples(cfg: ClawRayConfig, path: Path, session: str, expected: int,
+                  timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    """The session's rows in the sample log, once the hubs have written them."""
+    import pyarrow.dataset as ds
+    import ray
+
+    from clawray.sessions.pipeline import attach_live_pipeline
+
+    pipe = attach_live_pipeline(cfg, "clawray")
+    deadline = time.time() + timeout_s
+    rows: list[dict[str, Any]] = []
+    while time.time() < deadline:
+        ray.get([h.flush.remote() for h in pipe.hubs])
+        ray.get(pipe.buffer.flush.remote())
+        table = ds.dataset(str(path), format="parquet").to_table()
+        rows = sorted((r for r in table.to_pylist() if r["session_id"] == session),
+                      key=lambda r: r["turn"])
+        if len(rows) >= expected:
+            break
+        time.sleep(0.3)
+    return rows
 
 
 def _stream_turn(client: Any, model: str, messages: list[dict[str, Any]], session: str

@@ -1,0 +1,463 @@
+"""SampleBufferCore: the durable sample store behind the SampleBuffer actor (no Ray here).
+
+Rows go into an open batch; ``seal`` writes it as one Parquet segment of the write-ahead log
+(temp file, fsync, rename, fsync of the folder) and only then queues it. The queue holds sealed
+batches as objects made by ``put`` (``ray.put`` in the actor, identity in tests), bounded by
+``max_queued_rows``: newer segments wait on disk and are loaded in order when room frees up.
+
+``take(n)`` hands out slices covering exactly n rows, oldest first, and persists the consumed
+position ``{"seq": s, "offset": k}`` (every row before row k of segment s, in WAL order, is
+consumed). Taken == consumed: a taker that dies with its slices loses those rows; rows not yet
+taken survive any crash. A new core on the same folder re-queues every row after the
+checkpoint exactly once, and rebuilds the duplicate filter from the last segments, so a
+producer that retries an unacknowledged ``add`` creates no duplicates.
+
+The folder is an ordinary Parquet dataset (``pyarrow.dataset``, ``pandas.read_parquet``):
+the checkpoint is ``_consumed.json`` and temp files start with ``.``, both of which dataset
+readers skip.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from clawray.samples import SCHEMA, SampleValidationError, concat, rows_to_batch, validate_batch
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT = "_consumed.json"
+_SEGMENT = re.compile(r"^seg-(\d{12})\.parquet$")
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def segment_name(seq: int) -> str:
+    return f"seg-{seq:012d}.parquet"
+
+
+@dataclass
+class Slice:
+    """Rows ``[offset, offset + length)`` of the batch object ``ref``, from WAL segment ``seq``.
+
+    ``offset`` indexes the object, which is the whole segment unless a staleness filter made a
+    smaller copy; ``rows`` then holds the segment row index of each of this slice's rows (for
+    reading the same rows back from the WAL)."""
+
+    seq: int
+    ref: Any
+    offset: int
+    length: int
+    rows: list[int] | None = None
+
+
+@dataclass
+class SealJob:
+    """An open batch detached for sealing; ``write_segment`` touches nothing else."""
+
+    seq: int
+    gen: int
+    batch: pa.RecordBatch
+    path: Path
+    ids: list[str]
+    nbytes: int = 0
+    write_s: float = 0.0
+
+
+@dataclass
+class _Queued:
+    seq: int
+    ref: Any
+    num_rows: int  # rows of the object
+    offset: int  # object rows already taken
+    versions: np.ndarray  # policy_version per object row
+    origin: np.ndarray | None = None  # segment row of each object row (None: the same)
+    seg_rows: int = 0
+
+
+@dataclass
+class _OnDisk:
+    seq: int
+    seg_rows: int
+    start: int  # rows before this were consumed before a restart
+    versions: np.ndarray = field(repr=False)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(final: Path, write: Callable[[Any], None]) -> int:
+    """Write through a hidden temp file in the same folder, fsync it, rename, fsync the folder."""
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+        size = f.tell()
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    return size
+
+
+def read_segment(path: str | Path, seq: int) -> pa.RecordBatch:
+    """One WAL segment as a single record batch."""
+    table = pq.read_table(Path(path) / segment_name(seq), schema=SCHEMA)
+    table = table.replace_schema_metadata(SCHEMA.metadata)
+    batches = table.combine_chunks().to_batches()
+    return batches[0] if batches else pa.RecordBatch.from_pylist([], schema=SCHEMA)
+
+
+def fetch(slices: Sequence[Slice], get: Callable[[Any], Any] = _identity) -> pa.Table:
+    """The rows of ``slices`` as one table, zero-copy (each slice is a view of its batch)."""
+    cache: dict[Any, pa.RecordBatch] = {}
+    parts = []
+    for s in slices:
+        key = s.ref.hex() if hasattr(s.ref, "hex") else id(s.ref)  # ObjectRefs by object id
+        if key not in cache:
+            cache[key] = get(s.ref)
+        parts.append(cache[key].slice(s.offset, s.length))
+    return concat(parts)
+
+
+def fetch_from_wal(path: str | Path, slices: Sequence[Slice]) -> pa.Table:
+    """The rows of ``slices`` read back from the WAL (when the objects are gone, e.g. their
+    owner died): a copy from disk, same rows as ``fetch``."""
+    parts = []
+    for s in slices:
+        batch = read_segment(path, s.seq)
+        if s.rows is None:
+            parts.append(batch.slice(s.offset, s.length))
+        else:
+            parts.append(batch.take(pa.array(s.rows, pa.int64())))
+    return concat(parts)
+
+
+class SampleBufferCore:
+    """Open batch → sealed Parquet segment → bounded queue of batch objects → ``take``."""
+
+    def __init__(self, path: str | Path, seal_rows: int = 256, seal_age_s: float = 1.0,
+                 max_queued_rows: int = 65_536, max_staleness: int | None = None,
+                 put: Callable[[pa.RecordBatch], Any] = _identity,
+                 get: Callable[[Any], pa.RecordBatch] = _identity,
+                 dedup_segments: int = 64, compression: str = "zstd",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = Path(path).expanduser()
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.seal_rows, self.seal_age_s = seal_rows, seal_age_s
+        self.max_queued_rows, self.max_staleness = max_queued_rows, max_staleness
+        self._put, self._get, self._clock = put, get, clock
+        self.compression = compression
+        self.policy_version: int | None = None
+
+        self._open: list[pa.RecordBatch] = []
+        self._open_rows = 0
+        self._open_since: float | None = None
+        self._gen = 0  # generation of the open batch; a SealJob carries it
+        self._pending_ids: dict[str, int] = {}  # open or being sealed → generation
+        self._recent: deque[list[str]] = deque(maxlen=dedup_segments)
+        self._recent_ids: dict[str, int] = {}  # id → how many of the recent segments hold it
+
+        self._queue: deque[_Queued] = deque()
+        self._disk: deque[_OnDisk] = deque()
+        self._segments: dict[int, int] = {}  # seq → rows, every segment in the folder
+        self._next_seq = 0
+        self._consumed = (0, 0)
+        self._ckpt_lock = threading.Lock()
+        self._ckpt_written = (-1, -1)
+        self.counters = dict.fromkeys(
+            ("rows_added", "rows_sealed", "rows_taken", "duplicates", "stale_dropped",
+             "wal_bytes"), 0)
+        self.wal_write_s = 0.0
+        self._recover()
+
+    # ---------------------------------------------------------------- recovery
+    def _recover(self) -> None:
+        for p in self.path.iterdir():
+            if p.name.startswith(".") and p.name.endswith(".tmp"):
+                logger.warning("removing %s: a write that never completed (not acknowledged)", p)
+                p.unlink()
+        seqs = sorted(int(m.group(1)) for p in self.path.iterdir()
+                      if (m := _SEGMENT.match(p.name)))
+        for seq in seqs:
+            meta = pq.ParquetFile(self.path / segment_name(seq)).metadata
+            self._segments[seq] = meta.num_rows
+            self.counters["wal_bytes"] += (self.path / segment_name(seq)).stat().st_size
+        self._next_seq = seqs[-1] + 1 if seqs else 0
+        ckpt = self.path / CHECKPOINT
+        if ckpt.exists():
+            data = json.loads(ckpt.read_text())
+            self._consumed = (int(data["seq"]), int(data["offset"]))
+            self._ckpt_written = self._consumed
+        cseq, coff = self._consumed
+        for seq in seqs:
+            start = coff if seq == cseq else 0
+            if seq < cseq or start >= self._segments[seq]:
+                continue
+            versions = pq.read_table(self.path / segment_name(seq),
+                                     columns=["policy_version"]).column(0).to_numpy()
+            self._disk.append(_OnDisk(seq, self._segments[seq], start, versions))
+        for seq in seqs[-(self._recent.maxlen or 0):] if self._recent.maxlen else []:
+            ids = pq.read_table(self.path / segment_name(seq), columns=["sample_id"])
+            self._remember(ids.column(0).to_pylist())
+        self._refill()
+        if seqs:
+            logger.info("recovered %d segments from %s: %d rows to deliver after %s",
+                        len(seqs), self.path, self.available(), self._consumed)
+
+    def _remember(self, ids: list[str]) -> None:
+        if not self._recent.maxlen:
+            return
+        if len(self._recent) == self._recent.maxlen:
+            for sid in self._recent[0]:
+                if self._recent_ids[sid] == 1:
+                    del self._recent_ids[sid]
+                else:
+                    self._recent_ids[sid] -= 1
+        self._recent.append(ids)
+        for sid in ids:
+            self._recent_ids[sid] = self._recent_ids.get(sid, 0) + 1
+
+    # ---------------------------------------------------------------- adding and sealing
+    def add(self, rows: Sequence[dict[str, Any]] | pa.RecordBatch,
+            now: float | None = None) -> list[str]:
+        """Validate rows and put the new ones in the open batch; returns the accepted ids.
+        Ids already open, being sealed or in the last segments are dropped (a retry)."""
+        if isinstance(rows, pa.RecordBatch):
+            validate_batch(rows)
+            batch = rows
+        else:
+            batch = rows_to_batch(rows)
+        ids = batch.column("sample_id").to_pylist()
+        keep, accepted, seen = [], [], set()
+        for i, sid in enumerate(ids):
+            if sid in self._pending_ids or sid in self._recent_ids or sid in seen:
+                self.counters["duplicates"] += 1
+                continue
+            seen.add(sid)
+            keep.append(i)
+            accepted.append(sid)
+        if not accepted:
+            return []
+        if len(keep) < len(ids):
+            batch = batch.take(pa.array(keep))
+        self._open.append(batch)
+        self._open_rows += batch.num_rows
+        if self._open_since is None:
+            self._open_since = self._clock() if now is None else now
+        for sid in accepted:
+            self._pending_ids[sid] = self._gen
+        self.counters["rows_added"] += len(accepted)
+        return accepted
+
+    def pending_generations(self, ids: Sequence[str]) -> set[int]:
+        """Generations (seal jobs) that still hold any of ``ids`` before they are durable."""
+        return {g for sid in ids if (g := self._pending_ids.get(sid)) is not None}
+
+    @property
+    def open_generation(self) -> int:
+        return self._gen
+
+    @property
+    def open_rows(self) -> int:
+        return self._open_rows
+
+    def should_seal(self, now: float | None = None) -> bool:
+        if not self._open_rows:
+            return False
+        if self._open_rows >= self.seal_rows:
+            return True
+        now = self._clock() if now is None else now
+        return now - (self._open_since or now) >= self.seal_age_s
+
+    def seal(self) -> int | None:
+        """Write the open rows as one durable segment and queue them; returns its seq."""
+        job = self.begin_seal()
+        if job is None:
+            return None
+        try:
+            self.write_segment(job)
+        except BaseException:
+            self.abort_seal(job)
+            raise
+        return self.finish_seal(job)
+
+    def begin_seal(self) -> SealJob | None:
+        """Detach the open batch (new adds start the next one); None when nothing is open."""
+        if not self._open_rows:
+            return None
+        table = pa.Table.from_batches(self._open, schema=SCHEMA).combine_chunks()
+        batch = table.to_batches()[0]
+        ids = batch.column("sample_id").to_pylist()
+        job = SealJob(self._next_seq, self._gen, batch, self.path / segment_name(self._next_seq),
+                      ids)
+        self._next_seq += 1
+        self._gen += 1
+        self._open, self._open_rows, self._open_since = [], 0, None
+        return job
+
+    def write_segment(self, job: SealJob) -> None:
+        """The blocking part of a seal (safe in a worker thread: touches only ``job``)."""
+        t0 = time.perf_counter()
+        table = pa.Table.from_batches([job.batch])
+        job.nbytes = _write_atomic(
+            job.path, lambda f: pq.write_table(table, f, compression=self.compression))
+        job.write_s = time.perf_counter() - t0
+
+    def finish_seal(self, job: SealJob) -> int:
+        """Count a written segment as durable and queue it (or leave it on disk if full)."""
+        for sid in job.ids:
+            self._pending_ids.pop(sid, None)
+        self._remember(job.ids)
+        n = job.batch.num_rows
+        self._segments[job.seq] = n
+        self.counters["rows_sealed"] += n
+        self.counters["wal_bytes"] += job.nbytes
+        self.wal_write_s += job.write_s
+        versions = job.batch.column("policy_version").to_numpy()
+        if not self._disk and (not self._queue or self._held_rows() + n <= self.max_queued_rows):
+            self._queue.append(_Queued(job.seq, self._put(job.batch), n, 0, versions,
+                                       seg_rows=n))
+        else:
+            self._disk.append(_OnDisk(job.seq, n, 0, versions))
+        return job.seq
+
+    def abort_seal(self, job: SealJob) -> None:
+        """Forget a seal whose write failed: its rows were never acknowledged, retries welcome."""
+        for sid in job.ids:
+            self._pending_ids.pop(sid, None)
+        job.path.with_name(f".{job.path.name}.{os.getpid()}.tmp").unlink(missing_ok=True)
+        logger.error("sealing segment %d (%d rows) failed; its rows were not acknowledged",
+                     job.seq, job.batch.num_rows)
+
+    # ---------------------------------------------------------------- memory bound
+    def _held_rows(self) -> int:
+        return sum(q.num_rows for q in self._queue)
+
+    def _load(self) -> None:
+        d = self._disk.popleft()
+        batch = read_segment(self.path, d.seq)
+        self._queue.append(_Queued(d.seq, self._put(batch), d.seg_rows, d.start, d.versions,
+                                   seg_rows=d.seg_rows))
+
+    def _refill(self) -> None:
+        while self._disk and (not self._queue or
+                              self._held_rows() + self._disk[0].seg_rows <= self.max_queued_rows):
+            self._load()
+
+    # ---------------------------------------------------------------- staleness
+    def set_policy_version(self, version: int) -> None:
+        self.policy_version = version
+
+    def _min_version(self) -> int | None:
+        if self.max_staleness is None or self.policy_version is None:
+            return None
+        return self.policy_version - self.max_staleness
+
+    def _fresh(self, versions: np.ndarray, vmin: int | None) -> int:
+        return len(versions) if vmin is None else int(np.count_nonzero(versions >= vmin))
+
+    def _drop_stale(self, q: _Queued, vmin: int) -> None:
+        """Replace the untaken part of ``q`` by its fresh rows (a copy through ``put``)."""
+        rest = q.versions[q.offset:]
+        keep = np.flatnonzero(rest >= vmin)
+        if len(keep) == len(rest):
+            return
+        self.counters["stale_dropped"] += len(rest) - len(keep)
+        origin = (q.origin if q.origin is not None else np.arange(q.num_rows))[q.offset:][keep]
+        if len(keep):
+            batch = self._get(q.ref).slice(q.offset).take(pa.array(keep))
+            q.ref = self._put(batch)
+        q.versions, q.origin = rest[keep], origin
+        q.num_rows, q.offset = len(keep), 0
+
+    # ---------------------------------------------------------------- taking
+    def available(self) -> int:
+        """Rows a ``take`` can hand out now (fresh rows in memory and waiting on disk)."""
+        vmin = self._min_version()
+        return (sum(self._fresh(q.versions[q.offset:], vmin) for q in self._queue)
+                + sum(self._fresh(d.versions[d.start:], vmin) for d in self._disk))
+
+    def take(self, n: int, checkpoint: bool = True) -> list[Slice]:
+        """Slices covering exactly ``n`` rows, oldest first; [] when fewer are available.
+
+        A batch is split when needed and its surplus stays for the next call. Segments are
+        loaded from disk beyond ``max_queued_rows`` if that is what ``n`` rows need. With
+        ``checkpoint=False`` the caller must call ``save_checkpoint`` (the actor does it off
+        the event loop)."""
+        if n <= 0 or self.available() < n:
+            return []
+        vmin = self._min_version()
+        out: list[Slice] = []
+        need = n
+        while need:
+            if not self._queue:
+                self._load()
+            q = self._queue[0]
+            if vmin is not None:
+                self._drop_stale(q, vmin)
+            k = min(need, q.num_rows - q.offset)
+            if k:
+                rows = None if q.origin is None else q.origin[q.offset:q.offset + k].tolist()
+                out.append(Slice(q.seq, q.ref, q.offset, k, rows))
+                q.offset += k
+                need -= k
+            if q.offset >= q.num_rows:
+                self._queue.popleft()
+                self._consumed = (q.seq, q.seg_rows)
+            else:
+                self._consumed = (q.seq, int(q.origin[q.offset]) if q.origin is not None
+                                  else q.offset)
+        self.counters["rows_taken"] += n
+        self._refill()
+        if checkpoint:
+            self.save_checkpoint()
+        return out
+
+    def save_checkpoint(self) -> None:
+        """Persist the consumed position atomically (never moves it backwards)."""
+        with self._ckpt_lock:
+            pos = self._consumed
+            if pos <= self._ckpt_written:
+                return
+            data = json.dumps({"seq": pos[0], "offset": pos[1]}).encode()
+            _write_atomic(self.path / CHECKPOINT, lambda f: f.write(data))
+            self._ckpt_written = pos
+
+    # ---------------------------------------------------------------- introspection
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.counters,
+            "segments": len(self._segments),
+            "queued_rows": sum(q.num_rows - q.offset for q in self._queue),
+            "held_rows": self._held_rows(),
+            "on_disk_rows": sum(d.seg_rows - d.start for d in self._disk),
+            "open_rows": self._open_rows,
+            "available": self.available(),
+            "last_seq": max(self._segments) if self._segments else None,
+            "consumed": {"seq": self._consumed[0], "offset": self._consumed[1]},
+            "policy_version": self.policy_version,
+            "wal_write_s": round(self.wal_write_s, 6),
+        }
+
+
+__all__ = ["CHECKPOINT", "SampleBufferCore", "SampleValidationError", "SealJob", "Slice",
+           "fetch", "fetch_from_wal", "read_segment", "segment_name"]

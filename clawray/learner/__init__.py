@@ -1,0 +1,1 @@
+"""Learner-side pure logic: losses and advantages over packed response tokens."""

@@ -1,0 +1,290 @@
+"""Token-level losses and advantages for the learner, in pure torch (no Ray).
+
+Every per-token input is a flat tensor of shape ``[T]`` over the *response* tokens of a packed
+batch (see ``clawray.samples.pack_sequences``), with ``seq_index[T]`` naming each token's
+sequence (``0..num_seqs-1``). ``mask`` is the loss mask: tokens where it is 0 contribute nothing
+to a loss, a gradient or a metric, even when their log-probs are NaN or inf (inputs are
+sanitized with ``torch.where`` before any arithmetic, so NaN cannot leak through a product).
+
+Formulas follow REFERENCE §4 (Binary RL, OPD, combine, top-K distillation) and §7 (AReaL
+decoupled PPO with truncated importance sampling for stale samples).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+# Smallest probability a reconstructed tail bin may hold, so its log stays finite.
+TAIL_MIN_PROB = 1e-8
+
+
+@dataclass
+class LossConfig:
+    """Loss settings. Clip bounds are asymmetric (ratio in [1 - clip_low, 1 + clip_high]);
+    ``tis_cap`` truncates the behaviour importance weight (None: no truncation); ``w_opd`` and
+    ``w_rl`` weight the two advantage terms; ``opd_clip`` bounds the per-token OPD advantage."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    tis_cap: float | None = 2.0
+    agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    w_opd: float = 1.0
+    w_rl: float = 1.0
+    opd_clip: float | None = None
+    topk_tail: bool = True
+
+    def __post_init__(self) -> None:
+        def finite(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise ValueError(f"LossConfig.{name} must be a finite number, got {value!r}")
+            return float(value)
+
+        if not 0.0 < finite("clip_low") < 1.0:
+            raise ValueError(f"LossConfig.clip_low must be in (0, 1), got {self.clip_low}")
+        if not finite("clip_high") > 0.0:
+            raise ValueError(f"LossConfig.clip_high must be > 0, got {self.clip_high}")
+        if self.tis_cap is not None and not finite("tis_cap") >= 1.0:
+            raise ValueError(f"LossConfig.tis_cap must be >= 1 or None, got {self.tis_cap}")
+        if self.agg not in ("token_mean", "seq_mean"):
+            raise ValueError(f"LossConfig.agg must be 'token_mean' or 'seq_mean', got {self.agg!r}")
+        for name in ("kl_coef", "entropy_coef", "w_opd", "w_rl"):
+            if finite(name) < 0.0:
+                raise ValueError(f"LossConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.opd_clip is not None and not finite("opd_clip") > 0.0:
+            raise ValueError(f"LossConfig.opd_clip must be > 0 or None, got {self.opd_clip}")
+        if not isinstance(self.topk_tail, bool):
+            raise ValueError(f"LossConfig.topk_tail must be a bool, got {self.topk_tail!r}")
+
+
+# ---------------------------------------------------------------- helpers
+
+def seq_index_from_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
+    """The sequence of each token (LongTensor [T]) from row boundaries ``cu_seqlens`` [B + 1]."""
+    cu = cu_seqlens.to(torch.long)
+    if cu.dim() != 1 or len(cu) == 0 or cu[0] != 0 or bool((cu.diff() < 0).any()):
+        raise ValueError("cu_seqlens must be 1-D, start at 0 and be non-decreasing")
+    return torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), cu.diff())
+
+
+def broadcast_rewards(rewards_per_seq: Tensor, seq_index: Tensor) -> Tensor:
+    """The reward of each token's sequence: ``rewards_per_seq[seq_index]`` ([B] -> [T])."""
+    return rewards_per_seq[seq_index.to(torch.long)]
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``x`` over tokens where ``mask`` is set (0 when none are); NaN-safe off-mask."""
+    m = mask.bool()
+    return torch.where(m, x, torch.zeros_like(x)).sum() / m.sum().clamp(min=1)
+
+
+def aggregate(per_token: Tensor, mask: Tensor, seq_index: Tensor, num_seqs: int,
+              agg: str) -> Tensor:
+    """Reduce a per-token loss to a scalar.
+
+    ``token_mean``: sum(loss * mask) / sum(mask) over the whole batch, so long sequences weigh
+    more. ``seq_mean``: each sequence's token-mean, averaged over the sequences holding at least
+    one masked-in token, so every sequence weighs the same whatever its length.
+    """
+    m = mask.bool()
+    x = torch.where(m, per_token, torch.zeros_like(per_token))
+    if agg == "token_mean":
+        return x.sum() / m.sum().clamp(min=1)
+    if agg != "seq_mean":
+        raise ValueError(f"unknown aggregation {agg!r}")
+    idx = seq_index.to(torch.long)
+    sums = x.new_zeros(num_seqs).index_add(0, idx, x)
+    counts = x.new_zeros(num_seqs).index_add(0, idx, m.to(x.dtype))
+    has = counts > 0
+    return (sums[has] / counts[has]).mean()
+
+
+def _check_tokens(mask: Tensor, seq_index: Tensor, num_seqs: int, **flat: Tensor | None) -> Tensor:
+    """Shape checks shared by the losses; returns the boolean mask."""
+    n = mask.shape[0] if mask.dim() == 1 else -1
+    if n < 0:
+        raise ValueError(f"mask must be 1-D [T], got shape {tuple(mask.shape)}")
+    for name, t in {"seq_index": seq_index, **flat}.items():
+        if t is not None and t.shape[:1] != (n,):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [{n}] (one per token)")
+    m = mask.bool()
+    if n == 0 or not bool(m.any()):
+        raise ValueError(f"no tokens with loss_mask=1 in the batch ({n} tokens): nothing to train")
+    if bool((seq_index < 0).any()) or bool((seq_index >= num_seqs).any()):
+        raise ValueError(f"seq_index must lie in [0, {num_seqs})")
+    return m
+
+
+def _clean(x: Tensor, m: Tensor, fill: float = 0.0) -> Tensor:
+    """``x`` with off-mask entries replaced (NaN/inf there must not reach any arithmetic)."""
+    keep = m if x.dim() == 1 else m.view(-1, *([1] * (x.dim() - 1)))
+    return torch.where(keep, x, torch.full_like(x, fill))
+
+
+# ---------------------------------------------------------------- policy gradient
+
+def policy_loss(logprobs: Tensor, rollout_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                seq_index: Tensor, num_seqs: int, cfg: LossConfig,
+                proximal_logprobs: Tensor | None = None, ref_logprobs: Tensor | None = None,
+                entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """Decoupled PPO loss (AReaL) with asymmetric clip, truncated IS, optional k3 KL and entropy.
+
+    ``rollout_logprobs`` are the engine's behaviour log-probs, never recomputed. The clip is
+    centred on ``proximal_logprobs`` (the parameters before this update, detached); without
+    them it is centred on the behaviour policy (standard PPO). Per token::
+
+        u = exp(logprobs - prox)
+        surrogate = min(u * A, clip(u, 1 - clip_low, 1 + clip_high) * A)
+        w = min(exp(prox - rollout), tis_cap)      # detached; tis_cap None: not truncated
+        loss = -w * surrogate + kl_coef * k3 - entropy_coef * entropy
+        k3 = exp(ref - logprobs) - (ref - logprobs) - 1
+
+    ``w`` is 1 for fresh samples; tokens of stale samples, generated by an older policy version
+    than the proximal one, get ``w != 1`` and far-off-policy tokens are capped at ``tis_cap``.
+    The KL term needs ``ref_logprobs`` only when ``kl_coef > 0`` (otherwise they are ignored and
+    no reference model need be loaded). Aggregation follows ``cfg.agg`` (see ``aggregate``).
+    Metrics are token means over masked-in tokens; ``is_weight_*`` are the applied weights.
+    """
+    m = _check_tokens(mask, seq_index, num_seqs, logprobs=logprobs,
+                      rollout_logprobs=rollout_logprobs, advantages=advantages,
+                      proximal_logprobs=proximal_logprobs, ref_logprobs=ref_logprobs,
+                      entropy=entropy)
+    if cfg.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs (log-probs of the reference model)")
+
+    lp = _clean(logprobs, m)
+    behav = _clean(rollout_logprobs.detach(), m)
+    prox = behav if proximal_logprobs is None else _clean(proximal_logprobs.detach(), m)
+    adv = _clean(advantages.detach(), m)
+
+    ratio = torch.exp(lp - prox)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * adv
+    use_clip = clipped < unclipped  # ties keep the unclipped branch (and its gradient)
+    surrogate = torch.where(use_clip, clipped, unclipped)
+
+    raw_w = torch.exp(prox - behav)
+    weight = raw_w if cfg.tis_cap is None else raw_w.clamp(max=cfg.tis_cap)
+    pg = -weight * surrogate
+    per_token = pg
+    metrics: dict[str, float] = {}
+
+    if cfg.kl_coef > 0:
+        diff = _clean(ref_logprobs.detach(), m) - lp
+        k3 = torch.exp(diff) - diff - 1.0
+        per_token = per_token + cfg.kl_coef * k3
+        metrics["kl"] = masked_mean(k3, m).item()
+    if entropy is not None:
+        ent = _clean(entropy, m)
+        per_token = per_token - cfg.entropy_coef * ent
+        metrics["entropy"] = masked_mean(ent, m).item()
+
+    loss = aggregate(per_token, m, seq_index, num_seqs, cfg.agg)
+    with torch.no_grad():
+        n = m.sum()
+        on = ratio[m]
+        metrics.update(
+            loss=loss.item(),
+            pg_loss=aggregate(pg, m, seq_index, num_seqs, cfg.agg).item(),
+            clip_frac=((use_clip & m).sum() / n).item(),
+            ratio_mean=on.mean().item(),
+            ratio_max=on.max().item(),
+            is_weight_mean=weight[m].mean().item(),
+            is_weight_max=weight[m].max().item(),
+            is_truncated_frac=(0.0 if cfg.tis_cap is None
+                               else ((raw_w > cfg.tis_cap) & m).sum().item() / n.item()),
+            tokens=float(n.item()),
+        )
+    return loss, metrics
+
+
+# ---------------------------------------------------------------- advantages
+
+def opd_advantages(teacher_logprobs: Tensor, rollout_logprobs: Tensor,
+                   clip: float | None = None) -> Tensor:
+    """OPD token advantage ``teacher - rollout`` (REFERENCE §4), clamped to [-clip, clip]."""
+    if clip is not None and not clip > 0:
+        raise ValueError(f"opd clip must be > 0 or None, got {clip}")
+    adv = teacher_logprobs.detach() - rollout_logprobs.detach()
+    return adv if clip is None else adv.clamp(-clip, clip)
+
+
+def combine_advantages(rollout_logprobs: Tensor, reward_per_token: Tensor, cfg: LossConfig,
+                       teacher_logprobs: Tensor | None = None,
+                       has_teacher: Tensor | None = None) -> Tensor:
+    """``A_t = w_opd * (teacher_t - old_t) + w_rl * r`` (REFERENCE §4 combine).
+
+    Hint and score: both terms. Hint only: pass ``r = 0``. Score only (no teacher): pass
+    ``teacher_logprobs=None``, or mark the rows with ``has_teacher`` False per token; those
+    tokens get ``w_rl * r`` alone, whatever (even NaN) their teacher entries hold.
+    """
+    adv = cfg.w_rl * reward_per_token.detach().to(rollout_logprobs.dtype)
+    if teacher_logprobs is None:
+        return adv
+    if teacher_logprobs.shape != rollout_logprobs.shape:
+        raise ValueError(f"teacher_logprobs has shape {tuple(teacher_logprobs.shape)}, "
+                         f"rollout_logprobs {tuple(rollout_logprobs.shape)}")
+    opd = opd_advantages(teacher_logprobs, rollout_logprobs, cfg.opd_clip)
+    if has_teacher is not None:
+        opd = torch.where(has_teacher.bool(), opd, torch.zeros_like(opd))
+    return adv + cfg.w_opd * opd
+
+
+# ---------------------------------------------------------------- top-K distillation
+
+def _log1m_sum_exp(logp: Tensor) -> Tensor:
+    """``log(1 - sum(exp(logp), -1))``: the log-mass outside the given bins, at least
+    ``log(TAIL_MIN_PROB)`` (or the dtype's eps where larger: 1 - 1e-8 rounds to 1 in float32),
+    so it stays finite, with a finite gradient, when the bins hold (nearly) everything."""
+    floor = max(TAIL_MIN_PROB, torch.finfo(logp.dtype).eps)
+    mass = torch.logsumexp(logp, dim=-1).exp()
+    return torch.log1p(-mass.clamp(max=1.0 - floor))
+
+
+def topk_reverse_kl(student_logits: Tensor, teacher_topk_logprobs: Tensor,
+                    teacher_topk_ids: Tensor, mask: Tensor, seq_index: Tensor, num_seqs: int,
+                    cfg: LossConfig) -> tuple[Tensor, dict[str, float]]:
+    """Reverse KL(student || teacher) over the teacher's top-K tokens, per token, aggregated.
+
+    ``student_logits`` [T, V]; the teacher gives its top-K log-probs and ids [T, K] (ids
+    distinct per row). The student's log-softmax is gathered at the K ids.
+
+    ``cfg.topk_tail`` True: a (K+1)-th tail bin holds the rest of the mass on both sides,
+    ``log(1 - sum p)`` (floored near ``TAIL_MIN_PROB``), so both sides are full distributions and
+    the student is also pushed to put as little outside the teacher's top-K as the teacher does.
+    False: both sides are renormalized over the K tokens alone (mass outside is ignored).
+    Per token ``KL = sum_bins p_s * (log p_s - log p_t)``; aggregated like ``policy_loss``.
+    Student logits are assumed finite; teacher entries of masked-out tokens may be anything.
+    """
+    m = _check_tokens(mask, seq_index, num_seqs, student_logits=student_logits,
+                      teacher_topk_logprobs=teacher_topk_logprobs,
+                      teacher_topk_ids=teacher_topk_ids)
+    if teacher_topk_logprobs.shape != teacher_topk_ids.shape or teacher_topk_ids.dim() != 2:
+        raise ValueError(f"teacher top-K log-probs {tuple(teacher_topk_logprobs.shape)} and ids "
+                         f"{tuple(teacher_topk_ids.shape)} must both be [T, K]")
+    dtype = torch.promote_types(student_logits.dtype, torch.float32)  # bf16 -> fp32, fp64 kept
+    logits = student_logits.to(dtype)
+    ids = _clean(teacher_topk_ids, m).to(torch.long)
+    # Gather then subtract the normalizer: no second [T, V] tensor kept for backward.
+    s = logits.gather(-1, ids) - torch.logsumexp(logits, dim=-1, keepdim=True)
+    t = _clean(teacher_topk_logprobs.detach().to(dtype), m, fill=-math.log(ids.shape[-1] + 1))
+    if cfg.topk_tail:
+        s = torch.cat([s, _log1m_sum_exp(s).unsqueeze(-1)], dim=-1)
+        t = torch.cat([t, _log1m_sum_exp(t).unsqueeze(-1)], dim=-1)
+    else:
+        s = s - torch.logsumexp(s, dim=-1, keepdim=True)
+        t = t - torch.logsumexp(t, dim=-1, keepdim=True)
+    kl = (s.exp() * (s - t)).sum(-1)
+    loss = aggregate(kl, m, seq_index, num_seqs, cfg.agg)
+    with torch.no_grad():
+        metrics = {"loss": loss.item(), "kl": masked_mean(kl, m).item(),
+                   "tokens": float(m.sum().item())}
+    return loss, metrics

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
 from clawray.config import ClawRayConfig, ConfigError
+from clawray.launch import start_serving
 
 
 def _config(args: argparse.Namespace) -> ClawRayConfig:
@@ -25,61 +25,6 @@ def _config(args: argparse.Namespace) -> ClawRayConfig:
     cfg.validate()
     _prebuild(cfg)
     return cfg
-
-
-def start_serving(cfg: ClawRayConfig, *, blocking: bool) -> str:
-    """Start (or join) local Ray, run the app, return the base URL."""
-    import ray
-    from ray import serve
-
-    from clawray.serve.app import build_app
-
-    s = cfg.serving_cfg
-    if not ray.is_initialized():
-        # Direct ingress: the ingress replica also serves HTTP on its own port (30000 and up),
-        # skipping the Serve proxy hop that costs about half the throughput on a small machine
-        # (bench/README.md). Ray reads it when its processes start, so it is set before init.
-        if s.direct_ingress:
-            os.environ.setdefault("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1")
-        ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-    serve.start(
-        http_options={"host": s.host, "port": s.port},
-        logging_config={"log_level": "WARNING", "enable_access_log": False},
-    )
-    serve.run(build_app(cfg), name="clawray", route_prefix="/", blocking=False)
-    handle = serve.get_app_handle("clawray")
-    ours = {handle.instance_id.remote().result() for _ in range(4 * s.ingress_replicas)}
-    direct = direct_ingress_urls(s.host, ours)
-    for url in direct:
-        print(f"clawray: ingress replica serving directly at {url}/v1 (fastest)", flush=True)
-    if blocking:
-        import time
-
-        while True:
-            time.sleep(3600)
-    return (direct[0] if direct else f"http://{s.host}:{s.port}") + "/v1"
-
-
-def direct_ingress_urls(host: str, instances: set[str], first_port: int = 30000,
-                        span: int = 16) -> list[str]:
-    """Ports where this app's ingress replicas listen directly, found by /healthz.
-
-    A port answers for us only if its instance id is one of ours: another Ray cluster on the
-    same machine may hold ports in the same range."""
-    if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
-        return []
-    import httpx
-
-    urls = []
-    for port in range(first_port, first_port + span):
-        url = f"http://{host}:{port}"
-        try:
-            r = httpx.get(url + "/healthz", timeout=0.5)
-            if r.status_code == 200 and r.json().get("instance") in instances:
-                urls.append(url)
-        except (httpx.HTTPError, ValueError):
-            continue
-    return urls
 
 
 def cmd_build_model(args: argparse.Namespace) -> int:

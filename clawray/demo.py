@@ -38,7 +38,7 @@ USER_TURNS = [
 def run_demo(cfg: ClawRayConfig, records_dir: Path) -> int:
     from openai import OpenAI
 
-    from clawray.cli import start_serving
+    from clawray.launch import start_serving
     from clawray.models.loader import load_tokenizer
     from clawray.serve.policy_server import policy_model_info
 

@@ -20,10 +20,10 @@ import ray
 
 from clawray.config import JudgeConfig
 from clawray.judging.backends import JudgeUnavailable, make_backend
+from clawray.judging.jobs import JudgeJob, Verdict
 from clawray.judging.opd import inject_hint, select_hint
 from clawray.judging.parse import parse_hint_vote, parse_vote
 from clawray.judging.prompts import JudgeRequest, TurnContext, build_judge_request
-from clawray.sessions.core import JudgeJob, Verdict
 
 logger = logging.getLogger(__name__)
 

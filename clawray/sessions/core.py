@@ -23,6 +23,7 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
+from clawray.judging.jobs import JudgeJob, Verdict
 from clawray.judging.parse import aggregate
 from clawray.records import TurnRecord
 from clawray.sessions.matching import Fingerprinted, find_reply, rewinds, same_request
@@ -43,34 +44,6 @@ class SessionRules:
     @classmethod
     def from_config(cls, cfg: Any) -> "SessionRules":
         return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
-
-
-@dataclasses.dataclass
-class JudgeJob:
-    """A turn with its next state, to be judged by the PRM voters."""
-
-    job_id: int
-    session_id: str
-    record: TurnRecord
-    history: list[dict[str, Any]]
-    request: list[dict[str, Any]]
-    next_state: list[dict[str, Any]]
-    hint_messages: list[dict[str, Any]]  # the prompt messages without the ephemeral tail
-
-
-@dataclasses.dataclass
-class Verdict:
-    """What the judges said about one turn (``votes`` holds None for a parse failure)."""
-
-    status: str  # judged | unjudged
-    votes: list[int | None] = dataclasses.field(default_factory=list)
-    hint: str | None = None
-    teacher_logprobs: list[float] | None = None
-    error: str | None = None
-
-    @property
-    def valid_votes(self) -> list[int]:
-        return [v for v in self.votes if v is not None]
 
 
 @dataclasses.dataclass

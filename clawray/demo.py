@@ -97,7 +97,6 @@ def _read_samples(cfg: ClawRayConfig, path: Path, session: str, expected: int,
                   timeout_s: float = 30.0) -> list[dict[str, Any]]:
     """The session's rows in the sample log, once the hubs have written them."""
     import pyarrow.dataset as ds
-    import ray
 
     from clawray.sessions.pipeline import attach_live_pipeline
 
@@ -105,8 +104,7 @@ def _read_samples(cfg: ClawRayConfig, path: Path, session: str, expected: int,
     deadline = time.time() + timeout_s
     rows: list[dict[str, Any]] = []
     while time.time() < deadline:
-        ray.get([h.flush.remote() for h in pipe.hubs])
-        ray.get(pipe.buffer.flush.remote())
+        pipe.flush()
         table = ds.dataset(str(path), format="parquet").to_table()
         rows = sorted((r for r in table.to_pylist() if r["session_id"] == session),
                       key=lambda r: r["turn"])

@@ -73,13 +73,11 @@ class Served:
         """Sample rows in the WAL matching ``match`` (column=value), flushing the hubs until
         ``expected`` rows are there or ``timeout_s`` passed."""
         import pyarrow.dataset as ds
-        import ray
 
         pipe = self.pipeline()
         deadline = time.time() + timeout_s
         while True:
-            ray.get([h.flush.remote(timeout_s) for h in pipe.hubs], timeout=timeout_s + 10)
-            ray.get(pipe.buffer.flush.remote(), timeout=timeout_s)
+            pipe.flush(timeout_s)
             table = ds.dataset(str(self.samples_path), format="parquet").to_table()
             rows = [r for r in table.to_pylist() if all(r[k] == v for k, v in match.items())]
             if len(rows) >= expected or time.time() > deadline:

@@ -72,6 +72,7 @@ class _Turn:
     release_at: float = 0.0
     feedback: tuple[int, str | None] | None = None
     next_state: list[dict[str, Any]] | None = None
+    job_id: int | None = None  # the judge job in flight, while judging
 
     @property
     def record(self) -> TurnRecord:
@@ -261,6 +262,7 @@ class SessionCore:
                        real[start:], next_state, real)
         turn.state = "judging"
         turn.finished = None
+        turn.job_id = job.job_id
         self.jobs[job.job_id] = (session.session_id, turn.record.record_id)
         self.counters["judge_jobs"] += 1
         self._out_jobs.append(job)
@@ -341,9 +343,9 @@ class SessionCore:
             if turn.state == "held":
                 self._release(session, turn)
             elif turn.state == "judging":  # the verdict will be emitted on arrival
-                job_id = next(j for j, w in self.jobs.items() if w[1] == turn.record.record_id)
-                del self.jobs[job_id]
-                self.orphans[job_id] = (turn, closed)
+                assert turn.job_id is not None
+                del self.jobs[turn.job_id]
+                self.orphans[turn.job_id] = (turn, closed)
                 self.index.pop(turn.record.record_id, None)
         if session.candidate is not None:
             closed.used = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import ray
@@ -32,6 +33,22 @@ class LivePipeline:
 
     def hub_for(self, session_id: str) -> Any:
         return self.hubs[shard_of(session_id, len(self.hubs))]
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        """Finish in-flight judging and write every due row to the sample log (tests, demo).
+
+        A restarting buffer is waited for, as the hubs do: its calls are not retried by Ray.
+        """
+        deadline = time.monotonic() + timeout_s
+        ray.get([h.flush.remote(timeout_s) for h in self.hubs], timeout=timeout_s + 10)
+        while True:
+            try:
+                ray.get(self.buffer.flush.remote(), timeout=timeout_s)
+                return
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
 
 def names(app_name: str, cfg: ClawRayConfig) -> dict[str, Any]:

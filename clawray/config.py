@@ -202,6 +202,65 @@ class BufferConfig(_Section):
     )
 
 
+class LossSettings(_Section):
+    """The policy loss (``clawray.learner.losses.LossConfig``); REFERENCE §4."""
+
+    clip_low: float = Field(0.2, gt=0, lt=1, description="Ratio clipped below at 1 - clip_low.")
+    clip_high: float = Field(0.28, gt=0, description="Ratio clipped above at 1 + clip_high.")
+    tis_cap: float | None = Field(
+        2.0, ge=1, description="Truncate the stale-sample importance weight here; null: none."
+    )
+    agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL to the reference; 0: no reference.")
+    entropy_coef: float = Field(0.0, ge=0)
+    w_opd: float = Field(1.0, ge=0, description="Combine: weight of the OPD token term.")
+    w_rl: float = Field(1.0, ge=0, description="Combine: weight of the reward term.")
+    opd_clip: float | None = Field(None, gt=0, description="Clip |teacher - rollout| per token.")
+
+
+class TrainingConfig(_Section):
+    """The learner (DeepSpeed), the training loop and weight sync."""
+
+    app: str = Field("clawray", description="Serve app whose samples are trained on and "
+                     "whose replicas receive the weights.")
+    batch_size: int = Field(32, ge=1, description="Samples per training iteration.")
+    take_timeout_s: float = Field(
+        30.0, gt=0, description="Longest wait for a full batch; a partial one is then used."
+    )
+    min_batch: int = Field(1, ge=1, description="Skip the update when fewer samples came.")
+    mini_batches: int = Field(
+        1, ge=1, description="Optimizer steps per batch; >1 makes the PPO clip act "
+        "(ratios to the proximal policy move between steps)."
+    )
+    micro_batches: int = Field(
+        1, ge=1, description="Gradient-accumulation micro-batches per optimizer step and rank."
+    )
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, ge=0, description="Max global grad norm; 0: no clipping.")
+    zero_stage: int = Field(1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    num_learners: int = Field(1, ge=1, description="DeepSpeed data-parallel ranks.")
+    learner_num_cpus: float = Field(1.0, ge=0)
+    learner_num_gpus: float = Field(0.0, ge=0)
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    lora_rank: int = Field(0, ge=0, description="0: train all weights; >0: LoRA adapters only.")
+    lora_alpha: float = Field(32.0, gt=0)
+    lora_targets: list[str] | str = Field(
+        "all-linear", description="peft target_modules (module names or 'all-linear')."
+    )
+    loss: LossSettings = Field(default_factory=LossSettings)
+    sync_every: int = Field(1, ge=1, description="Push weights to serving every N updates.")
+    sync_timeout_s: float = Field(120.0, gt=0)
+    checkpoint_dir: str = Field("~/.cache/clawray/checkpoints")
+    checkpoint_every: int = Field(0, ge=0, description="Save every N iterations; 0: only on "
+                                  "request and at the end of fit().")
+    metrics_path: str | None = Field(
+        None, description="JSONL of per-iteration metrics; default: checkpoint_dir/metrics.jsonl."
+    )
+    seed: int = 0
+
+
 class ClawRayConfig(_Section):
     """The whole configuration; builder methods mirror RLlib's ``AlgorithmConfig``."""
 
@@ -215,6 +274,7 @@ class ClawRayConfig(_Section):
     sessions_cfg: SessionsConfig = Field(default_factory=SessionsConfig, alias="sessions")
     judge_cfg: JudgeConfig = Field(default_factory=JudgeConfig, alias="judge")
     buffer_cfg: BufferConfig = Field(default_factory=BufferConfig, alias="buffer")
+    training_cfg: TrainingConfig = Field(default_factory=TrainingConfig, alias="training")
 
     # ---- builder methods (one per concern; each returns self) ----
     def model(self, **kwargs: Any) -> "ClawRayConfig":
@@ -239,6 +299,10 @@ class ClawRayConfig(_Section):
 
     def buffer(self, **kwargs: Any) -> "ClawRayConfig":
         self.buffer_cfg = _updated(self.buffer_cfg, kwargs)
+        return self
+
+    def training(self, **kwargs: Any) -> "ClawRayConfig":
+        self.training_cfg = _updated(self.training_cfg, kwargs)
         return self
 
     # ---- loading and dumping ----
@@ -297,6 +361,12 @@ class ClawRayConfig(_Section):
             problems.append("judge.backend='openai' needs judge.url and judge.model")
         if j.opd_min_agree > j.m:
             problems.append(f"judge.opd_min_agree={j.opd_min_agree} exceeds judge.m={j.m}")
+        t = self.training_cfg
+        if t.mini_batches * t.micro_batches * t.num_learners > t.batch_size:
+            problems.append(
+                f"training.batch_size={t.batch_size} is smaller than mini_batches x micro_batches"
+                f" x num_learners = {t.mini_batches * t.micro_batches * t.num_learners}: some "
+                "ranks would never see a sample")
         if problems:
             raise ConfigError("invalid clawray config:\n  - " + "\n  - ".join(problems))
         return self

@@ -87,24 +87,31 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def aggregate(per_token: Tensor, mask: Tensor, seq_index: Tensor, num_seqs: int,
-              agg: str) -> Tensor:
+              agg: str, norm: float | None = None) -> Tensor:
     """Reduce a per-token loss to a scalar.
 
     ``token_mean``: sum(loss * mask) / sum(mask) over the whole batch, so long sequences weigh
     more. ``seq_mean``: each sequence's token-mean, averaged over the sequences holding at least
     one masked-in token, so every sequence weighs the same whatever its length.
+
+    ``norm`` replaces the denominator (the masked token count, or the count of sequences with
+    tokens): a learner splitting one batch into micro-batches and ranks passes the whole
+    batch's count, so the pieces' gradients add up to exactly the whole batch's.
     """
     m = mask.bool()
     x = torch.where(m, per_token, torch.zeros_like(per_token))
+    if norm is not None and not norm > 0:
+        raise ValueError(f"norm must be > 0, got {norm}")
     if agg == "token_mean":
-        return x.sum() / m.sum().clamp(min=1)
+        return x.sum() / (m.sum().clamp(min=1) if norm is None else norm)
     if agg != "seq_mean":
         raise ValueError(f"unknown aggregation {agg!r}")
     idx = seq_index.to(torch.long)
     sums = x.new_zeros(num_seqs).index_add(0, idx, x)
     counts = x.new_zeros(num_seqs).index_add(0, idx, m.to(x.dtype))
     has = counts > 0
-    return (sums[has] / counts[has]).mean()
+    per_seq = sums[has] / counts[has]
+    return per_seq.mean() if norm is None else per_seq.sum() / norm
 
 
 def _check_tokens(mask: Tensor, seq_index: Tensor, num_seqs: int, **flat: Tensor | None) -> Tensor:
@@ -134,7 +141,8 @@ def _clean(x: Tensor, m: Tensor, fill: float = 0.0) -> Tensor:
 def policy_loss(logprobs: Tensor, rollout_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                 seq_index: Tensor, num_seqs: int, cfg: LossConfig,
                 proximal_logprobs: Tensor | None = None, ref_logprobs: Tensor | None = None,
-                entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+                entropy: Tensor | None = None,
+                norm: float | None = None) -> tuple[Tensor, dict[str, float]]:
     """Decoupled PPO loss (AReaL) with asymmetric clip, truncated IS, optional k3 KL and entropy.
 
     ``rollout_logprobs`` are the engine's behaviour log-probs, never recomputed. The clip is
@@ -152,6 +160,7 @@ def policy_loss(logprobs: Tensor, rollout_logprobs: Tensor, advantages: Tensor, 
     The KL term needs ``ref_logprobs`` only when ``kl_coef > 0`` (otherwise they are ignored and
     no reference model need be loaded). Aggregation follows ``cfg.agg`` (see ``aggregate``).
     Metrics are token means over masked-in tokens; ``is_weight_*`` are the applied weights.
+    ``norm`` is passed to ``aggregate`` (micro-batches of a larger batch).
     """
     m = _check_tokens(mask, seq_index, num_seqs, logprobs=logprobs,
                       rollout_logprobs=rollout_logprobs, advantages=advantages,
@@ -187,13 +196,13 @@ def policy_loss(logprobs: Tensor, rollout_logprobs: Tensor, advantages: Tensor, 
         per_token = per_token - cfg.entropy_coef * ent
         metrics["entropy"] = masked_mean(ent, m).item()
 
-    loss = aggregate(per_token, m, seq_index, num_seqs, cfg.agg)
+    loss = aggregate(per_token, m, seq_index, num_seqs, cfg.agg, norm)
     with torch.no_grad():
         n = m.sum()
         on = ratio[m]
         metrics.update(
             loss=loss.item(),
-            pg_loss=aggregate(pg, m, seq_index, num_seqs, cfg.agg).item(),
+            pg_loss=aggregate(pg, m, seq_index, num_seqs, cfg.agg, norm).item(),
             clip_frac=((use_clip & m).sum() / n).item(),
             ratio_mean=on.mean().item(),
             ratio_max=on.max().item(),

@@ -1,0 +1,169 @@
+"""``LearnerGroup``: DeepSpeed data-parallel ranks as Ray actors on one placement group.
+
+Each rank is a ``LearnerWorker`` actor holding a ``LearnerCore``. Rank 0 picks the rendezvous
+address (its node's IP and a free port); every rank then joins the process group (gloo on CPU,
+nccl on GPU). ``update`` hands every rank the same list of buffer slices: each resolves the
+batch objects from the object store (zero-copy on the same node) and trains on its share of
+the rows, and DeepSpeed averages the gradients. The bundles follow
+``training.placement_strategy``: ``PACK`` keeps ranks together, ``SPREAD``/``STRICT_SPREAD``
+put them on different nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+from typing import Any, Sequence
+
+import pyarrow as pa
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from clawray.buffer import Slice, fetch
+from clawray.config import TrainingConfig
+from clawray.learner.learner import LearnerCore, combine_rank_metrics, init_distributed
+
+logger = logging.getLogger(__name__)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LearnerWorker:
+    """One DeepSpeed rank (a Ray actor: ``ray.remote(LearnerWorker)``)."""
+
+    def __init__(self, model_path: str, training: dict[str, Any], rank: int,
+                 world_size: int) -> None:
+        self.model_path = model_path
+        self.cfg = TrainingConfig.model_validate(training)
+        self.rank, self.world_size = rank, world_size
+        self.core: LearnerCore | None = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        ip = ray.util.get_node_ip_address()
+        return ip, _free_port(ip)
+
+    def setup(self, master_addr: str, master_port: int) -> str:
+        init_distributed(self.rank, self.world_size, master_addr, master_port)
+        self.core = LearnerCore(self.model_path, self.cfg, self.rank, self.world_size)
+        return ray.util.get_node_ip_address()
+
+    def _core(self) -> LearnerCore:
+        if self.core is None:
+            raise RuntimeError("LearnerWorker.setup() was not called")
+        return self.core
+
+    def update(self, batch: Sequence[Slice] | pa.Table) -> dict[str, float]:
+        table = batch if isinstance(batch, pa.Table) else fetch(batch, ray.get)
+        return self._core().update(table)
+
+    def logprobs(self, table: pa.Table) -> list[list[float]]:
+        return self._core().logprobs(table)
+
+    def sync_payload(self) -> tuple[str, dict[str, Any]]:
+        return self._core().sync_payload()
+
+    def send_weights(self, app_name: str, version: int) -> dict[str, Any]:
+        """Publish this rank's weights to the app's serving replicas (rank 0's result counts;
+        other ranks only take part in a ZeRO-3 gather)."""
+        from clawray.weights import make_weight_sync
+
+        kind, payload = self._core().sync_payload()
+        self._core().policy_version = version
+        if self.rank != 0:
+            return {}
+        sync = make_weight_sync("lora" if kind == "lora" else "object_store", app_name)
+        sync.prepare(version)
+        info = sync.send(payload, version) or {}
+        return {"kind": kind, **info}
+
+    def set_version(self, version: int) -> None:
+        self._core().policy_version = version
+
+    def save(self, path: str, client_state: dict[str, Any]) -> None:
+        self._core().save(path, client_state)
+
+    def load(self, path: str) -> dict[str, Any]:
+        return self._core().load(path)
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def ping(self) -> str:
+        return "pong"
+
+
+class LearnerGroup:
+    """``num_learners`` DeepSpeed ranks; every call goes to all of them."""
+
+    def __init__(self, model_path: str | Path, cfg: TrainingConfig,
+                 setup_timeout_s: float = 600.0) -> None:
+        self.cfg = cfg
+        n = cfg.num_learners
+        bundle: dict[str, float] = {"CPU": cfg.learner_num_cpus}
+        if cfg.learner_num_gpus:
+            bundle["GPU"] = cfg.learner_num_gpus
+        self.pg = placement_group([dict(bundle) for _ in range(n)],
+                                  strategy=cfg.placement_strategy)
+        try:
+            ray.get(self.pg.ready(), timeout=setup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            raise RuntimeError(
+                f"the cluster cannot place {n} learner(s) of {bundle} with strategy "
+                f"{cfg.placement_strategy} within {setup_timeout_s:.0f} s") from None
+        actor = ray.remote(LearnerWorker)
+        self.workers = [
+            actor.options(
+                num_cpus=cfg.learner_num_cpus, num_gpus=cfg.learner_num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=i),
+            ).remote(str(model_path), cfg.model_dump(mode="json"), i, n)
+            for i in range(n)
+        ]
+        addr, port = ray.get(self.workers[0].rendezvous.remote(), timeout=setup_timeout_s)
+        self.nodes = ray.get([w.setup.remote(addr, port) for w in self.workers],
+                             timeout=setup_timeout_s)
+        self.policy_version = 0
+        logger.info("learner group of %d rank(s) up (rendezvous %s:%d)", n, addr, port)
+
+    def update(self, batch: Sequence[Slice] | pa.Table) -> dict[str, float]:
+        """One iteration on every rank; ``batch``: buffer slices (or a table, for tests)."""
+        arg = batch if not isinstance(batch, pa.Table) else ray.put(batch)
+        return combine_rank_metrics(ray.get([w.update.remote(arg) for w in self.workers]))
+
+    def logprobs(self, table: pa.Table) -> list[list[float]]:
+        return ray.get(self.workers[0].logprobs.remote(table))
+
+    def sync_payload(self) -> tuple[str, dict[str, Any]]:
+        """Rank 0's weights for serving (all ranks join the gather under ZeRO-3)."""
+        return ray.get([w.sync_payload.remote() for w in self.workers])[0]
+
+    def send_weights(self, app_name: str, version: int) -> dict[str, Any]:
+        """Publish ``version`` to ``app_name``'s replicas (finalize with the WeightSync)."""
+        info = ray.get([w.send_weights.remote(app_name, version) for w in self.workers])[0]
+        self.policy_version = version
+        return info
+
+    def save(self, path: str | Path, client_state: dict[str, Any]) -> None:
+        ray.get([w.save.remote(str(path), {**client_state, "policy_version": self.policy_version})
+                 for w in self.workers])
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        states = ray.get([w.load.remote(str(path)) for w in self.workers])
+        self.policy_version = int(states[0]["policy_version"])
+        return states[0]
+
+    def set_version(self, version: int) -> None:
+        ray.get([w.set_version.remote(version) for w in self.workers])
+        self.policy_version = version
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        remove_placement_group(self.pg)

@@ -130,20 +130,26 @@ class SampleBuffer:
             await asyncio.gather(*(asyncio.shield(self._future(g)) for g in gens))
         return accepted
 
-    async def take(self, n: int, timeout_s: float = 0.0) -> list[Slice]:
+    async def take(self, n: int, timeout_s: float = 0.0, min_n: int | None = None) -> list[Slice]:
         """Exactly ``n`` rows as slices of batch refs, waiting up to ``timeout_s`` for them;
-        [] if there are not enough. Taken rows count as consumed (checkpointed before return)."""
+        [] if there are not enough. With ``min_n``, at the deadline take what is there if that
+        is at least ``min_n`` rows. Taken rows count as consumed (checkpointed before return)."""
         self._start()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
             slices = self._core.take(n, checkpoint=False)
+            left = deadline - loop.time()
+            if not slices and left <= 0 and min_n is not None:
+                have = self._core.available()  # fewer than n, or take() would have succeeded
+                if have >= max(min_n, 1):
+                    n = have
+                    slices = self._core.take(n, checkpoint=False)
             if slices:
                 await asyncio.to_thread(self._core.save_checkpoint)
                 self._m_consumed.inc(n)
                 self._m_queue.set(self._core.available())
                 return slices
-            left = deadline - loop.time()
             if left <= 0:
                 return []
             async with self._changed:

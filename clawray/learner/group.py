@@ -164,6 +164,9 @@ class LearnerGroup:
         self.policy_version = version
 
     def shutdown(self) -> None:
-        for w in self.workers:
+        """Kill the ranks and free their resources (idempotent)."""
+        workers, self.workers = self.workers, []
+        for w in workers:
             ray.kill(w)
-        remove_placement_group(self.pg)
+        if workers:
+            remove_placement_group(self.pg)

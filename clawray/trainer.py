@@ -1,0 +1,232 @@
+"""The training loop: RLlib's ``Algorithm`` shape on Tune's ``Trainable`` contract.
+
+``Trainer(config=cfg.to_dict())`` works on its own (``train()``, ``fit(n)``, ``save()``,
+``restore()``) and as a Tune trainable (``tune.Tuner(Trainer, param_space=cfg.to_dict())``
+runs, checkpoints and sweeps clawray configs). One iteration (``step``)::
+
+    take   ≤ batch_size samples from the app's SampleBuffer (object refs, no copy)
+    update one LearnerGroup iteration (DeepSpeed ranks read the refs zero-copy)
+    sync   publish the new weights; wait until every serving replica runs them
+    log    windowed stats (RLlib MetricsLogger), Ray metrics (Prometheus), a JSONL line
+
+Serving never pauses for training: replicas swap weights between generation steps, samples
+carry the policy version they came from, and ``buffer.max_staleness`` plus the learner's
+truncated importance weights handle samples from older versions (docs/training.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import ray
+from ray import tune
+from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
+
+from clawray.buffer import fetch
+from clawray.config import ClawRayConfig
+
+logger = logging.getLogger(__name__)
+
+WINDOW = 20  # iterations in the smoothed (windowed) stats
+LOGGED = ("reward_mean", "loss", "clip_frac", "is_weight_mean", "grad_norm", "tokens_per_s",
+          "staleness_mean")
+
+
+class _Gauges:
+    """Per-iteration values as Ray metrics (scraped by Prometheus with the rest of Ray's)."""
+
+    def __init__(self, app: str) -> None:
+        from ray.util.metrics import Gauge
+
+        self.app = app
+        self.gauges = {k: Gauge(f"clawray_train_{k}", description=f"training: {k}",
+                                tag_keys=("app",)) for k in (*LOGGED, "policy_version", "samples")}
+
+    def set(self, result: dict[str, Any]) -> None:
+        for key, gauge in self.gauges.items():
+            value = result.get(key)
+            if isinstance(value, (int, float)) and np.isfinite(value):
+                gauge.set(float(value), tags={"app": self.app})
+
+
+def batch_stats(table: pa.Table, version: int) -> dict[str, float]:
+    """What the iteration trained on: rewards, kinds, trainable share, staleness."""
+    rewards = np.asarray(table.column("reward").to_numpy(), dtype=np.float64)
+    versions = np.asarray(table.column("policy_version").to_numpy(), dtype=np.int64)
+    kinds = table.column("kind").to_pylist()
+    out = {"samples": float(table.num_rows), "reward_mean": float(rewards.mean()),
+           "staleness_mean": float((version - versions).mean()),
+           "staleness_max": float((version - versions).max())}
+    for kind in sorted(set(kinds)):
+        out[f"samples_{kind}"] = float(kinds.count(kind))
+    return out
+
+
+class Trainer(tune.Trainable):
+    """clawray's algorithm; ``config`` is a clawray config as a dict (``cfg.to_dict()``)."""
+
+    # ---------------------------------------------------------------- Trainable contract
+
+    def setup(self, config: dict[str, Any]) -> None:
+        from clawray.learner.group import LearnerGroup
+        from clawray.serve.control import start_app_control
+        from clawray.serve.policy_server import policy_model_info
+        from clawray.sessions.pipeline import start_live_pipeline
+        from clawray.weights import make_weight_sync
+
+        self.cfg = ClawRayConfig.from_dict(config).validate()
+        t = self.cfg.training_cfg
+        self.app = t.app
+        self._ensure_app()
+        self.pipeline = start_live_pipeline(self.cfg, self.app)
+        self.control = start_app_control(self.app)
+        published = int(ray.get(self.control.status.remote())["version"])
+        model_path = policy_model_info(self.cfg).path
+        self.learner = LearnerGroup(model_path, t)
+        self.sync_kind = "lora" if t.lora_rank else "object_store"
+        self.sync = make_weight_sync(self.sync_kind, self.app)
+        self.version = published
+        if published:
+            # Serving already runs newer weights than a fresh learner: take its place in the
+            # version sequence (restore() loads matching weights when there is a checkpoint).
+            self.learner.set_version(published)
+        self.updates = 0
+        self.metrics = MetricsLogger()
+        self.gauges = _Gauges(self.app)
+        self.checkpoint_dir = Path(t.checkpoint_dir).expanduser()
+        self.metrics_path = Path(t.metrics_path).expanduser() if t.metrics_path else \
+            self.checkpoint_dir / "metrics.jsonl"
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def _ensure_app(self) -> None:
+        """Attach to the running Serve app named ``training.app``, or start it."""
+        from ray import serve
+
+        try:
+            running = self.app in serve.status().applications
+        except Exception:  # noqa: BLE001 - no Serve controller yet
+            running = False
+        if not running:
+            from clawray.serve.app import build_app
+
+            logger.info("Serve app %r is not running: starting it", self.app)
+            serve.run(build_app(self.cfg), name=self.app,
+                      route_prefix="/" if self.app == "clawray" else f"/{self.app}")
+
+    def step(self) -> dict[str, Any]:
+        t = self.cfg.training_cfg
+        started = time.perf_counter()
+        with self.metrics.log_time("time_take_s", reduce="mean", window=WINDOW):
+            slices = ray.get(self.pipeline.buffer.take.remote(t.batch_size, t.take_timeout_s,
+                                                              t.min_batch))
+        result: dict[str, Any] = {"policy_version": self.version, "samples": 0}
+        if slices:
+            table = fetch(slices, ray.get)
+            result.update(batch_stats(table, self.version))
+            with self.metrics.log_time("time_update_s", reduce="mean", window=WINDOW):
+                result.update(self.learner.update(slices))
+            self.updates += 1
+            if result.get("optimizer_steps", 0) and self.updates % t.sync_every == 0:
+                with self.metrics.log_time("time_sync_s", reduce="mean", window=WINDOW):
+                    result.update({f"sync_{k}": v for k, v in self._publish().items()
+                                   if k in ("bytes", "seconds", "send_s", "apply_s")})
+                result["policy_version"] = self.version
+        for key in LOGGED:
+            if key in result:
+                self.metrics.log_value(key, result[key], window=WINDOW)
+        self.metrics.log_value("samples_total", result["samples"], reduce="sum")
+        result["smoothed"] = {k: float(v) for k, v in self.metrics.reduce(compile=True).items()}
+        result["iteration_s"] = time.perf_counter() - started
+        self.gauges.set(result)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps({"iteration": self.iteration + 1, "time": time.time(),
+                                **_jsonable(result)}) + "\n")
+        if t.checkpoint_every and (self.iteration + 1) % t.checkpoint_every == 0:
+            self.save_checkpoint(str(self.checkpoint_dir))
+        return result
+
+    def _publish(self) -> dict[str, Any]:
+        """Send version + 1 to serving and wait until every replica runs it."""
+        version = self.version + 1
+        sent = self.learner.send_weights(self.app, version)  # rank 0 puts and publishes
+        info = self.sync.finalize(version, self.cfg.training_cfg.sync_timeout_s)
+        info.update(bytes=sent.get("bytes", 0), send_s=sent.get("seconds", 0.0),
+                    seconds=sent.get("seconds", 0.0) + info["apply_s"])
+        self.version = version
+        ray.get(self.pipeline.buffer.set_policy_version.remote(version))
+        return info
+
+    def save_checkpoint(self, checkpoint_dir: str) -> dict[str, Any]:
+        """Learner (model, optimizer, step) via DeepSpeed, plus the trainer's own state.
+
+        The buffer's consumed offset is the buffer's own durable checkpoint (advanced before
+        each batch is handed out); it is recorded here so a restore can report it."""
+        path = Path(checkpoint_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        buffer = ray.get(self.pipeline.buffer.stats.remote())
+        state = {"policy_version": self.version, "updates": self.updates,
+                 "buffer_consumed": buffer.get("consumed"), "app": self.app}
+        self.learner.save(path / "learner", state)
+        (path / "trainer.json").write_text(json.dumps(state))
+        return state
+
+    def load_checkpoint(self, checkpoint: str | dict[str, Any]) -> None:
+        path = Path(checkpoint if isinstance(checkpoint, str) else checkpoint["path"])
+        state = json.loads((path / "trainer.json").read_text())
+        self.learner.load(path / "learner")
+        self.updates = int(state["updates"])
+        saved = int(state["policy_version"])
+        # Serving may hold weights newer than the checkpoint (trained after it was taken):
+        # republish the checkpoint's weights as the next version, so versions never go back.
+        published = int(ray.get(self.control.status.remote())["version"])
+        self.version = max(saved, published)
+        if published != saved:
+            self._publish()
+        self.restored_state = state
+
+    def cleanup(self) -> None:
+        self.learner.shutdown()
+
+    # ---------------------------------------------------------------- Algorithm-style helpers
+
+    def fit(self, iterations: int, progress: bool = True) -> list[dict[str, Any]]:
+        """Run ``iterations`` training iterations with a progress bar; return their results."""
+        from tqdm.auto import tqdm
+
+        results = []
+        with tqdm(total=iterations, disable=not progress, desc="clawray train",
+                  unit="it") as bar:
+            for _ in range(iterations):
+                r = self.train()
+                results.append(r)
+                bar.set_postfix(progress_fields(r), refresh=False)
+                bar.update(1)
+        self.save_checkpoint(str(self.checkpoint_dir))
+        return results
+
+
+def progress_fields(r: dict[str, Any]) -> dict[str, str]:
+    """The progress line: step, samples, reward, loss and policy version."""
+    def f(key: str, fmt: str) -> str:
+        v = r.get(key)
+        return fmt.format(v) if isinstance(v, (int, float)) else "-"
+
+    return {"step": str(r.get("training_iteration", "-")), "samples": f("samples", "{:.0f}"),
+            "reward": f("reward_mean", "{:+.2f}"), "loss": f("loss", "{:.3f}"),
+            "version": str(r.get("policy_version", "-"))}
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (np.floating, np.integer)):
+        return obj.item()
+    return obj

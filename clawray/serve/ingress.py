@@ -2,13 +2,14 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/feedback``, ``GET /v1/models``,
 ``GET /healthz``. Everything else a
-deployment can do (status, pause/resume, weights) is a plain method, reachable only through a
-Ray handle from inside the cluster — never through HTTP.
+deployment can do (status, pause/resume, weights, the collecting switch) is a plain method,
+reachable only through a Ray handle from inside the cluster — never through HTTP.
 """
 
 # No `from __future__ import annotations` here: Serve's ingress wrapper resolves the route
 # signatures at runtime, and string annotations turn `request: Request` into a query parameter
 # (every request then fails with HTTP 422).
+import asyncio
 import logging
 import time
 import uuid
@@ -24,6 +25,7 @@ from clawray.models.loader import load_tokenizer
 from clawray.records import RecordSink, TeeSink, make_sink
 from clawray.serve.auth import KeyChecker
 from clawray.serve.chat import ChatService
+from clawray.serve.control import GatedSink, WeightReceiver, start_app_control, start_receiver
 from clawray.serve.policy_server import HandlePolicy, LocalPolicy, PolicyCore, policy_model_info
 from clawray.serve.protocol import APIError, parse_feedback, parse_request
 
@@ -74,6 +76,10 @@ class IngressCore:
             info = policy_model_info(cfg)
             policy = HandlePolicy(policy_handle)
             max_len = cfg.model_cfg.max_model_len or info.max_model_len
+        # Mirrors the app's switches (and, colocated, applies published weights).
+        self.receiver: WeightReceiver | None = (
+            self.core.receiver if self.core is not None else start_receiver(None))
+        self.app_name = app_name
         self.info = info
         self.keys = KeyChecker(s.resolved_api_keys())
         self.hub_sink: Any = None
@@ -83,7 +89,8 @@ class IngressCore:
                 from clawray.sessions.pipeline import HubSink, start_live_pipeline
 
                 self.hub_sink = HubSink(start_live_pipeline(cfg, app_name))
-                sinks.append(self.hub_sink)
+                # Training data only while the operator's collecting switch is on.
+                sinks.append(GatedSink(self.hub_sink, self.collecting))
             else:
                 sinks.append(make_sink(kind, s.records_path))
         self.sink = sinks[0] if len(sinks) == 1 else TeeSink(sinks)
@@ -148,7 +155,26 @@ class IngressCore:
         st = await self.service.policy.status()
         return {"model": self.info.name, "engine": st.engine, "policy_version": st.policy_version,
                 "running": st.running, "waiting": st.waiting, "paused": st.paused,
-                "max_model_len": st.max_model_len}
+                "max_model_len": st.max_model_len, "collecting": self.collecting()}
+
+    def collecting(self) -> bool:
+        """Whether this replica hands turn records to the session pipeline."""
+        return self.receiver.collecting if self.receiver is not None else True
+
+    async def set_collecting(self, enabled: bool, wait_s: float = 10.0) -> dict[str, Any]:
+        """Flip the app's collecting switch; returns once every live replica mirrors it."""
+        control = await asyncio.to_thread(start_app_control, self.app_name)
+        await control.set_collecting.remote(bool(enabled))
+        replicas = await control.wait_collecting.remote(bool(enabled), wait_s)
+        return {"collecting": bool(enabled), "replicas": replicas}
+
+    async def weights_version(self) -> dict[str, Any]:
+        """The version this replica serves and the app's published one, per replica."""
+        st = await self.service.policy.status()
+        control = await (await asyncio.to_thread(start_app_control, self.app_name)).status.remote()
+        return {"replica": st.policy_version, "published": control["version"],
+                "replicas": {rid: r["version"] for rid, r in control["replicas"].items()
+                             if r["weights"] and r["live"]}}
 
 
 async def _prepend(first: str, rest: Any) -> Any:
@@ -197,3 +223,24 @@ class Ingress:
         if self._core.core is None:
             raise RuntimeError("split layout: load weights into the PolicyServer deployment")
         await self._core.core.load_weights(state_dict, policy_version)
+
+    async def prompt_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        """Teacher log-probs of ``response_ids`` under the weights this replica serves."""
+        if self._core.core is None:
+            raise RuntimeError("split layout: ask the PolicyServer deployment")
+        return await self._core.core.prompt_logprobs(prompt_ids, response_ids)
+
+    def collecting(self) -> bool:
+        return self._core.collecting()
+
+    async def set_collecting(self, enabled: bool, wait_s: float = 10.0) -> dict[str, Any]:
+        """Operator switch: turn records to the session pipeline on/off (serving goes on)."""
+        return await self._core.set_collecting(enabled, wait_s)
+
+    async def weights_version(self) -> dict[str, Any]:
+        return await self._core.weights_version()
+
+    def __del__(self) -> None:  # Serve calls it on shutdown: stop polling, deregister
+        receiver = getattr(getattr(self, "_core", None), "receiver", None)
+        if receiver is not None:
+            receiver.close()

@@ -5,6 +5,9 @@ process: no extra hop on the hot path). In the ``split`` layout it holds a ``Han
 calls ``PolicyServer`` replicas through a Serve deployment handle. Admin operations (status,
 pause/resume, weight loading) are deployment methods reachable only through Ray handles, never
 through an HTTP route.
+
+Inside a Serve replica, ``PolicyCore`` also runs a ``WeightReceiver`` (``serve/control.py``):
+published weights are swapped in between generation steps, without refusing any request.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from clawray.config import ClawRayConfig
 from clawray.inference.engine import Engine, EngineStatus, SamplingParams, TokenDelta, TokenOutput
 from clawray.inference.factory import make_engine
 from clawray.models.loader import ModelInfo, resolve_model_path
+from clawray.serve.control import WeightReceiver, start_receiver
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +79,15 @@ class HandlePolicy:
 
 
 class PolicyCore:
-    """What a PolicyServer replica does, without Serve (the colocated ingress uses it too)."""
+    """What a PolicyServer replica does, without Serve (the colocated ingress uses it too).
+
+    In a Serve replica it receives published weights (``self.receiver``); elsewhere (tests,
+    scripts) ``receiver`` is None and weights change only through ``load_weights``.
+    """
 
     def __init__(self, cfg: ClawRayConfig) -> None:
         self.engine, self.info = load_policy_engine(cfg)
+        self.receiver: WeightReceiver | None = start_receiver(self.engine)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[TokenOutput]:
         return await self.engine.generate(prompt_ids, params)
@@ -102,6 +111,11 @@ class PolicyCore:
     async def resume(self) -> None:
         await self.engine.resume()
 
+    def close(self) -> None:
+        receiver = getattr(self, "receiver", None)  # None if the constructor failed early
+        if receiver is not None:
+            receiver.close()
+
 
 @serve.deployment(name="PolicyServer")
 class PolicyServer(PolicyCore):
@@ -109,3 +123,6 @@ class PolicyServer(PolicyCore):
 
     def __init__(self, config: dict) -> None:
         super().__init__(ClawRayConfig.from_dict(config))
+
+    def __del__(self) -> None:  # Serve calls it on shutdown: stop polling, deregister
+        self.close()

@@ -1,0 +1,356 @@
+"""The app's control plane: published weights, the sample-collection switch, replica liveness.
+
+One ``AppControl`` actor per Serve app (``{app}:control`` in namespace ``clawray``, detached).
+The learner publishes ``(version, kind, [payload_ref])`` there; every replica runs a
+``WeightReceiver`` that long-polls ``wait_change``, applies a newer version between two
+generation steps through the matching ``WeightSync.receive`` and reports the version it now
+serves. ``wait_replicas`` lets the learner wait until every live replica caught up. The same
+long poll carries the operator's ``collecting`` switch (turn records to the session pipeline
+on/off), so no replica ever stops serving because of training.
+
+The payload ref travels inside a one-element list: Ray resolves a top-level ``ObjectRef``
+argument, but passes nested ones through untouched, so the control actor never loads weights.
+State lives in memory: after a restart the version is rebuilt from the replicas' reports and
+the payload comes back with the learner's next publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+import ray
+
+from clawray.records import RecordSink, TurnRecord
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "clawray"  # the live pipeline's namespace (clawray.sessions.hub.NAMESPACE)
+DEFAULT_LIVE_S = 15.0  # a replica that neither polled nor reported for this long is gone
+POLL_S = 5.0  # long-poll timeout; well under DEFAULT_LIVE_S
+
+
+def control_name(app_name: str) -> str:
+    return f"{app_name}:control"
+
+
+@ray.remote(num_cpus=0)
+class AppControl:
+    """Latest published weights and the collecting switch of one Serve app (async actor)."""
+
+    def __init__(self, app_name: str, live_s: float = DEFAULT_LIVE_S) -> None:
+        self.app_name = app_name
+        self.live_s = live_s
+        self.version = 0
+        self.kind: str | None = None
+        self.payload: list | None = None  # [ObjectRef]
+        self.published_at: float | None = None
+        self.collecting = True
+        self.replicas: dict[str, dict[str, Any]] = {}
+        self._state_event = asyncio.Event()  # set (and replaced) on a new version or switch
+        self._replica_event = asyncio.Event()  # set (and replaced) on any replica update
+
+    # ---- learner / operator side ------------------------------------------------------------
+
+    async def publish(self, version: int, kind: str, payload_box: list) -> dict[str, Any]:
+        """Make ``payload_box[0]`` (an ObjectRef) the weights every replica should serve."""
+        if version <= self.version:
+            raise ValueError(f"app '{self.app_name}': version {version} is not newer than the "
+                             f"published version {self.version}")
+        if not (isinstance(payload_box, list) and len(payload_box) == 1
+                and isinstance(payload_box[0], ray.ObjectRef)):
+            raise TypeError("payload_box must be a one-element list holding an ObjectRef")
+        self.version, self.kind, self.payload = version, kind, payload_box
+        self.published_at = time.time()
+        self._wake_state()
+        return {"version": version, "kind": kind}
+
+    async def set_collecting(self, enabled: bool) -> bool:
+        if bool(enabled) != self.collecting:
+            self.collecting = bool(enabled)
+            self._wake_state()
+        return self.collecting
+
+    async def wait_replicas(self, version: int, timeout_s: float = 60.0,
+                            min_replicas: int = 1) -> dict[str, int]:
+        """Wait until at least ``min_replicas`` weight replicas are live and every live one
+        serves ``version`` or newer; return ``{replica_id: version}``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            live = self._live(weights=True)
+            versions = {rid: r.get("version") for rid, r in live.items()}
+            lagging = {rid: v for rid, v in versions.items() if v is None or v < version}
+            if len(live) >= min_replicas and not lagging:
+                return versions
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                errors = {rid: live[rid].get("error") for rid in lagging if live[rid].get("error")}
+                raise TimeoutError(
+                    f"app '{self.app_name}': after {timeout_s:g}s, not every replica serves "
+                    f"version {version}: lagging {lagging or 'none'}"
+                    + (f", errors {errors}" if errors else "")
+                    + (f", {len(live)} live of at least {min_replicas} needed"
+                       if len(live) < min_replicas else ""))
+            await self._wait(self._replica_event, min(remaining, 0.5))
+
+    async def wait_collecting(self, enabled: bool, timeout_s: float = 10.0) -> dict[str, bool]:
+        """Wait until every live replica mirrors ``collecting == enabled``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            live = {rid: r.get("collecting") for rid, r in self._live().items()}
+            if all(v == enabled for v in live.values()):
+                return live
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"app '{self.app_name}': replicas {live} did not mirror "
+                                   f"collecting={enabled} within {timeout_s:g}s")
+            await self._wait(self._replica_event, min(remaining, 0.5))
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        live = self._live()
+        return {
+            "app": self.app_name, "version": self.version, "kind": self.kind,
+            "published_at": self.published_at, "collecting": self.collecting,
+            "replicas": {rid: {"version": r.get("version"), "collecting": r.get("collecting"),
+                               "weights": r["weights"], "error": r.get("error"),
+                               "seen_s_ago": round(now - r["seen"], 3), "live": rid in live}
+                         for rid, r in self.replicas.items()},
+        }
+
+    # ---- replica side -----------------------------------------------------------------------
+
+    async def wait_change(self, known_version: int, known_collecting: bool | None,
+                          timeout_s: float = POLL_S, replica_id: str | None = None,
+                          current_version: int | None = None) -> dict[str, Any]:
+        """Long poll: return the state as soon as the version is newer than ``known_version``
+        or the switch differs from ``known_collecting``, else after ``timeout_s``.
+
+        ``replica_id`` registers the caller (heartbeat); with ``current_version`` it is a weight
+        replica that ``wait_replicas`` waits for, without it only a mirror of the switch.
+        """
+        if replica_id is not None:
+            self._touch(replica_id, polling=1, collecting=known_collecting,
+                        version=current_version, weights=current_version is not None)
+            self.version = max(self.version, current_version or 0)  # rebuilt after a restart
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not (self.version > known_version or self.collecting != known_collecting):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                await self._wait(self._state_event, remaining)
+        finally:
+            entry = self.replicas.get(replica_id)  # None once the replica deregistered
+            if entry is not None:
+                entry["polling"] -= 1
+                entry["seen"] = time.monotonic()
+        return {"version": self.version, "kind": self.kind, "payload": self.payload,
+                "collecting": self.collecting}
+
+    def report(self, replica_id: str, version: int, error: str | None = None) -> None:
+        """A weight replica now serves ``version`` (``error``: why it could not apply newer)."""
+        self._touch(replica_id, version=version, weights=True, error=error or None)
+        # After a restart of this actor, the replicas tell which version the app is on.
+        self.version = max(self.version, version)
+
+    def deregister(self, replica_id: str) -> None:
+        if self.replicas.pop(replica_id, None) is not None:
+            self._replica_event = _wake(self._replica_event)
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _touch(self, replica_id: str, polling: int = 0, **fields: Any) -> None:
+        r = self.replicas.setdefault(replica_id, {"polling": 0, "weights": False, "version": None})
+        r["seen"] = time.monotonic()
+        r["polling"] += polling  # polls in flight: a replica waiting in one is live
+        for key, value in fields.items():
+            if key == "weights":
+                r["weights"] = r["weights"] or value
+            elif key == "error" or value is not None:
+                r[key] = value
+        self._replica_event = _wake(self._replica_event)
+
+    def _live(self, weights: bool = False) -> dict[str, dict[str, Any]]:
+        cutoff = time.monotonic() - self.live_s
+        return {rid: r for rid, r in self.replicas.items()
+                if (r["polling"] > 0 or r["seen"] >= cutoff) and (r["weights"] or not weights)}
+
+    def _wake_state(self) -> None:
+        self._state_event = _wake(self._state_event)
+
+    @staticmethod
+    async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+def _wake(event: asyncio.Event) -> asyncio.Event:
+    """Wake everyone waiting on ``event``; later waiters wait on the returned fresh one."""
+    event.set()
+    return asyncio.Event()
+
+
+def start_app_control(app_name: str) -> Any:
+    """The app's control actor, created (detached, restarting) if it does not exist yet."""
+    return AppControl.options(name=control_name(app_name), namespace=NAMESPACE,
+                              get_if_exists=True, lifetime="detached", max_restarts=-1,
+                              max_task_retries=-1).remote(app_name)
+
+
+def get_app_control(app_name: str) -> Any:
+    """The running app's control actor; raises ValueError if there is none."""
+    return ray.get_actor(control_name(app_name), namespace=NAMESPACE)
+
+
+# ---------------------------------------------------------------------------- replica side
+
+
+def serve_replica_id() -> tuple[str, str] | None:
+    """``(app_name, replica_id)`` inside a Serve replica, else None (tests, scripts)."""
+    try:
+        from ray import serve
+
+        ctx = serve.get_replica_context()
+    except Exception:  # noqa: BLE001 - RayServeException outside a replica
+        return None
+    return ctx.app_name, f"{ctx.deployment}#{ctx.replica_tag}"
+
+
+class WeightReceiver:
+    """A replica's side of the control plane, run as a background task on its event loop.
+
+    With an ``engine`` it applies newer published weights between generation steps and reports
+    the version it serves; without one (an ingress in the ``split`` layout) it only mirrors the
+    ``collecting`` switch. Errors are logged with context and retried at the next change or
+    after ``retry_s``; the loop never ends the replica and survives the control actor
+    restarting or being recreated.
+    """
+
+    def __init__(self, app_name: str, replica_id: str, engine: Any = None, *,
+                 poll_s: float = POLL_S, retry_s: float = 1.0) -> None:
+        self.app_name = app_name
+        self.replica_id = replica_id
+        self.engine = engine
+        self.poll_s = poll_s
+        self.retry_s = retry_s
+        self.collecting = True
+        self.version = int(getattr(engine, "policy_version", 0) or 0)
+        self.error: str | None = None
+        # The newest version handled (applied, failed, or published without a payload): the
+        # long poll waits for a newer one, so a failing payload is retried at the next change.
+        self._known_version = self.version
+        self._syncs: dict[str, Any] = {}  # per-kind receive state (LoRA base weights, NCCL group)
+        self._control: Any = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> WeightReceiver:
+        """Start the loop on the running event loop (Serve runs replica constructors on it)."""
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"clawray-weights-{self.replica_id}")
+        return self
+
+    def close(self) -> None:
+        """Stop the loop and deregister (fire-and-forget, safe from a destructor)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self._control is not None:
+            try:
+                self._control.deregister.remote(self.replica_id)
+            except Exception:  # noqa: BLE001 - Ray may already be shut down
+                pass
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if self._control is None:
+                    self._control = await asyncio.to_thread(start_app_control, self.app_name)
+                    if self.engine is not None:  # register right away, before the first poll
+                        await self._control.report.remote(self.replica_id, self.version)
+                state = await self._control.wait_change.remote(
+                    self._known_version, self.collecting, self.poll_s, self.replica_id,
+                    self.version if self.engine is not None else None)
+                if state["collecting"] != self.collecting:
+                    logger.info("app %s replica %s: collecting %s", self.app_name,
+                                self.replica_id, "on" if state["collecting"] else "off")
+                    self.collecting = state["collecting"]
+                if state["version"] > self._known_version:
+                    if self.engine is not None and state["payload"]:
+                        await self._apply(state)
+                    self._known_version = state["version"]
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the replica must keep serving
+                logger.exception("app %s replica %s: weight control loop failed; retrying in "
+                                 "%.1fs", self.app_name, self.replica_id, self.retry_s)
+                if not await _actor_alive(self._control):
+                    self._control = None  # recreated (get_if_exists) on the next round
+                await asyncio.sleep(self.retry_s)
+
+    async def _apply(self, state: dict[str, Any]) -> None:
+        from clawray.weights import make_weight_sync
+
+        version, kind = state["version"], state["kind"]
+        started = time.monotonic()
+        try:
+            payload = await asyncio.to_thread(ray.get, state["payload"][0])
+            sync = self._syncs.get(kind)
+            if sync is None:  # a full swap of another kind invalidates per-kind caches
+                sync = make_weight_sync(kind, self.app_name, replica_id=self.replica_id)
+                self._syncs = {kind: sync}
+            await sync.receive(self.engine, payload, version)
+        except Exception as e:  # noqa: BLE001 - logged, reported, retried at the next version
+            self.error = f"version {version} ({kind}): {type(e).__name__}: {e}"
+            logger.exception("app %s replica %s: could not apply %s weights of version %d; "
+                             "still serving version %d", self.app_name, self.replica_id, kind,
+                             version, self.version)
+        else:
+            self.version, self.error = version, None
+            logger.info("app %s replica %s: now serving version %d (%s) after %.3fs",
+                        self.app_name, self.replica_id, version, kind,
+                        time.monotonic() - started)
+        await self._control.report.remote(self.replica_id, self.version, self.error)
+
+
+async def _actor_alive(handle: Any) -> bool:
+    if handle is None:
+        return False
+    try:
+        await asyncio.wait_for(handle.status.remote(), 5)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def start_receiver(engine: Any = None) -> WeightReceiver | None:
+    """A started receiver when running in a Serve replica with an event loop, else None."""
+    where = serve_replica_id()
+    if where is None:
+        return None
+    try:
+        return WeightReceiver(where[0], where[1], engine).start()
+    except RuntimeError:  # no running event loop: cannot happen in a Serve 2.60 constructor
+        logger.warning("replica %s has no running event loop: weight sync is off", where[1])
+        return None
+
+
+class GatedSink:
+    """Hands records to ``sink`` only while ``is_open()``; the operator's collecting switch."""
+
+    def __init__(self, sink: RecordSink, is_open: Callable[[], bool]) -> None:
+        self.sink = sink
+        self.is_open = is_open
+        self.dropped = 0
+
+    def put(self, record: TurnRecord) -> None:
+        if self.is_open():
+            self.sink.put(record)
+        else:
+            self.dropped += 1
+
+    def close(self) -> None:
+        self.sink.close()

@@ -1,0 +1,182 @@
+"""Weight sync without Ray: LoRA merge math against peft, payload checks, the vLLM import guard."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from clawray.inference import EngineError, HFEngine
+from clawray.weights import (
+    LoraSync,
+    ObjectStoreSync,
+    WeightSyncError,
+    copy_baseline,
+    lora_payload,
+    lora_payload_from_state_dict,
+    make_weight_sync,
+    merge_lora,
+)
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def base_model(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+
+
+def peft_model_of(base, seed: int, **lora_kw):
+    """A peft LoRA model on a copy of ``base`` with seeded, non-zero adapters."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, **lora_kw)
+    model = get_peft_model(copy.deepcopy(base), cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+@contextlib.asynccontextmanager
+async def engine_on(base):
+    import copy
+
+    engine = HFEngine(copy.deepcopy(base), eos_token_ids=[])
+    try:
+        yield engine
+    finally:
+        await engine.shutdown()
+
+
+def snapshot(engine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+
+async def test_lora_merge_matches_peft_merge_and_unload(base_model):
+    first, second = peft_model_of(base_model, 0), peft_model_of(base_model, 1)
+    payloads = [lora_payload(first), lora_payload(second)]
+    assert set(payloads[0]["modules"]) >= {"model.layers.0.self_attn.q_proj",
+                                          "model.layers.0.mlp.down_proj"}
+    expected = [first.merge_and_unload().state_dict(), second.merge_and_unload().state_dict()]
+    sync = LoraSync("test", replica_id="r0")
+    async with engine_on(base_model) as engine:
+        for version, (payload, want) in enumerate(zip(payloads, expected), start=1):
+            await sync.receive(engine, payload, version)
+            got = engine.model.state_dict()
+            assert engine.policy_version == version
+            worst = max((got[k] - want[k]).abs().max().item() for k in want)
+            assert worst < 1e-6, worst
+    # the second payload was merged into the base weights, not on top of the first adapter
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(expected[0][q], expected[1][q])
+
+
+def test_lora_payload_from_peft_state_dict_matches_the_model(base_model):
+    from peft import get_peft_model_state_dict
+
+    model = peft_model_of(base_model, 2, use_rslora=True, alpha_pattern={"v_proj": 16})
+    direct = lora_payload(model)
+    built = lora_payload_from_state_dict(get_peft_model_state_dict(model), lora_alpha=8,
+                                         use_rslora=True, alpha_pattern={"v_proj": 16})
+    assert direct["modules"].keys() == built["modules"].keys()
+    for name, mod in direct["modules"].items():
+        assert built["modules"][name]["scaling"] == pytest.approx(mod["scaling"]), name
+        assert torch.equal(built["modules"][name]["B"], mod["B"])
+    assert direct["modules"]["model.layers.0.self_attn.v_proj"]["scaling"] == pytest.approx(8.0)
+    # LoraSync.send's conversion needs the config when given a raw peft state dict
+    with pytest.raises(WeightSyncError, match="lora_alpha"):
+        LoraSync("test").payload(get_peft_model_state_dict(model))
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda p: p["modules"].update({"model.nope": p["modules"]["model.layers.0.self_attn.q_proj"]}),
+     "no weight 'model.nope.weight'"),
+    (lambda p: p["modules"]["model.layers.0.self_attn.q_proj"].update(A=torch.zeros(3, 7)),
+     "rank mismatch"),
+    (lambda p: p["modules"]["model.layers.0.mlp.down_proj"].update(fan_in_fan_out=True),
+     "B @ A is"),
+    (lambda p: p["modules"]["model.layers.0.self_attn.q_proj"].update(scaling=float("nan")),
+     "finite"),
+    (lambda p: p.update(format="other"), "not a LoRA payload"),
+    (lambda p: p.update(modules={}), "no modules"),
+])
+async def test_bad_lora_payload_is_refused_and_changes_nothing(base_model, mutate, message):
+    payload = lora_payload(peft_model_of(base_model, 3))
+    payload["modules"] = {k: dict(v) for k, v in payload["modules"].items()}
+    mutate(payload)
+    async with engine_on(base_model) as engine:
+        before = snapshot(engine)
+        with pytest.raises(WeightSyncError, match=message):
+            await LoraSync("test").receive(engine, payload, 7)
+        after = engine.model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert engine.policy_version == 0
+
+
+async def test_bad_state_dict_is_refused_and_changes_nothing(base_model):
+    sync = ObjectStoreSync("test")
+    async with engine_on(base_model) as engine:
+        before = snapshot(engine)
+        good = {k: v + 1 for k, v in list(before.items())[:3]}
+        with pytest.raises(EngineError, match="unknown parameter names"):
+            await sync.receive(engine, {**good, "not.a.weight": torch.zeros(2)}, 1)
+        with pytest.raises(EngineError, match="shape mismatch"):
+            await sync.receive(engine, {**good, next(iter(good)): torch.zeros(2)}, 1)
+        with pytest.raises(WeightSyncError, match="name -> tensor"):
+            await sync.receive(engine, {**good, "x": [1, 2]}, 1)
+        assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
+        assert engine.policy_version == 0
+        await sync.receive(engine, good, 1)  # a partial state dict is fine
+        assert engine.policy_version == 1
+        assert torch.equal(engine.model.state_dict()[next(iter(good))], next(iter(good.values())))
+
+
+def test_merge_lora_is_pure_math():
+    w0 = torch.randn(6, 5)
+    a, b = torch.randn(2, 5), torch.randn(6, 2)
+    payload = {"format": "clawray.lora/1",
+               "modules": {"m": {"A": a, "B": b, "scaling": 0.5, "fan_in_fan_out": False}}}
+    merged = merge_lora({"m.weight": w0}, payload)
+    assert torch.allclose(merged["m.weight"], w0 + 0.5 * b @ a)
+    payload["modules"]["m"]["fan_in_fan_out"] = True
+    assert torch.allclose(merge_lora({"m.weight": w0.T}, payload)["m.weight"], (w0 + 0.5 * b @ a).T)
+
+
+def test_copy_baseline_counts_bytes():
+    out = copy_baseline({"a": torch.zeros(10, dtype=torch.float32), "b": torch.zeros(3, 2)})
+    assert out["bytes"] == 64 and out["seconds"] >= 0
+
+
+def test_unknown_sync_kind_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown weight sync 'rsync'.*lora.*nccl.*object_store"):
+        make_weight_sync("rsync", "app")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+async def test_nccl_sync_imports_without_vllm_and_says_what_is_missing():
+    # Importing the module (and clawray) must not import vLLM.
+    code = ("import sys, clawray.weights_vllm, clawray.serve.app; "
+            "assert 'vllm' not in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+    from clawray.weights_vllm import VLLMUnavailableError
+
+    sync = make_weight_sync("nccl", "app", ranks_per_replica=2)
+    assert sync.kind == "nccl"
+    for call in (lambda: sync.prepare(1), lambda: sync.send({"w": torch.zeros(2)}, 1)):
+        with pytest.raises(VLLMUnavailableError, match=r"vLLM 0\.32\.0.*clawray\[vllm\]"):
+            call()
+    with pytest.raises(VLLMUnavailableError, match="object_store"):
+        await sync.receive(object(), {}, 1)

@@ -1,0 +1,119 @@
+"""Hidden, measurable user preferences for simulated users, and the feedback they give.
+
+A preference decides from the reply text alone whether a simulated user is satisfied, and
+words the user's reaction, which the user sends as the start of their next message. The
+reaction is plain English that ``clawray.judging.rules.classify_next_state`` reads correctly: a
+plain approval ("thanks", "perfect", ...) when satisfied; a correction ("that's not what I
+asked for", "try again", ...) that says what was wanted when not (tests/test_sim.py checks
+both over many draws).
+
+Why "brief replies" (measured base rates in ``clawray/sim/users.py``): the embedded tiny model
+answers greetings and requests with short canned replies and questions with a 12-word one, so
+"at most 8 words" is met by ~90% of greeting/request replies and ~10% of question replies. It
+is natural to state, measurable from the text, reachable for every message type (short answers
+to questions already occur), and the users' mix of types puts the base rate near 0.4.
+
+Pure Python, no Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+from typing import Callable, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Preference(Protocol):
+    """What a simulated user wants from every reply; hidden from the policy."""
+
+    name: str
+
+    def describe(self) -> str:
+        """One sentence for people (reports, plots), never sent to the model."""
+        ...
+
+    def satisfied(self, reply_text: str) -> bool:
+        ...
+
+    def feedback(self, reply_text: str, satisfied: bool, rng: random.Random) -> str:
+        """The user's reaction, to be sent as the start of their next message."""
+        ...
+
+
+_POSITIVE = (
+    "Thanks, that's what I wanted.",
+    "Perfect.",
+    "Great, thank you.",
+    "Thanks!",
+    "Perfect, thanks.",
+    "Exactly, thanks.",
+    "Great.",
+    "Thank you, that works.",
+)
+
+
+_WORD = re.compile(r"[A-Za-z]{2,}")
+
+
+def readable(reply_text: str, min_letters: float = 0.6) -> bool:
+    """Words a person can read: at least one real word, and letters (with spaces) make up at
+    least ``min_letters`` of the non-space characters' count (no punctuation soup)."""
+    text = reply_text.strip()
+    if not text or not _WORD.search(text):
+        return False
+    letters = sum(c.isalpha() for c in text)
+    return letters / max(1, sum(not c.isspace() for c in text)) >= min_letters
+
+
+@dataclasses.dataclass(frozen=True)
+class BriefReplies:
+    """Satisfied by a readable reply of at most ``max_words`` words and ``max_chars``
+    characters. Without the readability and length checks, RL finds that a run of
+    punctuation with no spaces counts as "one word" (it did, within 8 updates)."""
+
+    max_words: int = 8
+    max_chars: int = 60
+    name: str = "brief"
+
+    def describe(self) -> str:
+        return (f"this user wants brief, readable replies: at most {self.max_words} words "
+                f"and {self.max_chars} characters")
+
+    def satisfied(self, reply_text: str) -> bool:
+        return (1 <= len(reply_text.split()) <= self.max_words
+                and len(reply_text.strip()) <= self.max_chars and readable(reply_text))
+
+    def feedback(self, reply_text: str, satisfied: bool, rng: random.Random) -> str:
+        if satisfied:
+            return rng.choice(_POSITIVE)
+        if not reply_text.strip():
+            return rng.choice((
+                "You said nothing, that's not what I asked for. Try again, briefly.",
+                "That's wrong: an empty reply. Try again with a few words.",
+            ))
+        if not readable(reply_text):
+            return rng.choice((
+                "That's not what I asked for: I can't read that. Try again in plain words.",
+                "That's wrong, it is gibberish. Try again with a few real words.",
+            ))
+        n = self.max_words
+        return rng.choice((
+            f"That's not what I asked for: I want short replies, {n} words at most. Try again.",
+            f"Too long, try again. Keep it under {n + 1} words.",
+            "No, I meant a short answer. Try again in a few words.",
+            f"That's wrong for me, way too long. Redo it in at most {n} words.",
+            "Not what I asked for. Shorter, please: just a few words.",
+        ))
+
+
+PREFERENCES: dict[str, Callable[[], Preference]] = {"brief": BriefReplies}
+
+
+def get_preference(name: str) -> Preference:
+    """A built-in preference by name (``PREFERENCES``)."""
+    try:
+        return PREFERENCES[name]()
+    except KeyError:
+        raise ValueError(f"unknown preference {name!r}; known: {sorted(PREFERENCES)}") from None

@@ -1,0 +1,139 @@
+"""Simulated users without a server: preference ↔ heuristic judge, message generation, the
+session protocol a SimUser speaks (against a mock HTTP transport), error accounting."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import openai
+import pytest
+
+from clawray.judging.rules import classify_next_state
+from clawray.models.corpus import REPLY_GREETING, REPLY_OTHER, REPLY_QUESTION
+from clawray.sim import (BriefReplies, Preference, SimUser, get_preference, make_request,
+                         parse_policy_version, run_users, satisfaction_rate)
+from clawray.sim.users import MESSAGE_TYPES, eval_messages, follow_up
+
+REPLIES = [REPLY_GREETING, REPLY_QUESTION, REPLY_OTHER, "", "  ", "Yes.",
+           "one two three four five six seven eight",
+           "one two three four five six seven eight nine",
+           "Good question. I am a small model, so my answers answers are.", "OK, I understand.one."]
+
+
+def verdict(text: str) -> int:
+    return classify_next_state([{"role": "user", "content": text}])[0]
+
+
+def test_brief_preference_on_the_canned_replies():
+    pref = BriefReplies()
+    assert isinstance(pref, Preference) and get_preference("brief") == pref
+    assert pref.satisfied(REPLY_GREETING) and pref.satisfied(REPLY_OTHER)
+    assert not pref.satisfied(REPLY_QUESTION)  # 12 words
+    assert not pref.satisfied("") and not pref.satisfied(" \n")
+    assert pref.satisfied("one two three four five six seven eight")
+    assert not pref.satisfied("one two three four five six seven eight nine")
+    with pytest.raises(ValueError, match="unknown preference"):
+        get_preference("verbose")
+
+
+def test_feedback_is_read_by_the_heuristic_judge_as_the_preference_says():
+    pref, rng = BriefReplies(), random.Random(0)
+    for i in range(400):
+        reply = REPLIES[i % len(REPLIES)]
+        ok = pref.satisfied(reply)
+        feedback = pref.feedback(reply, ok, rng)
+        _, request = make_request(rng)
+        want = 1 if ok else -1
+        assert verdict(feedback) == want, feedback  # the closing message: feedback alone
+        assert verdict(follow_up(feedback, request)) == want, (feedback, request)
+        if not ok:  # a correction says what was wanted
+            assert any(w in feedback.lower() for w in ("short", "word", "brief")), feedback
+
+
+def test_every_request_is_neutral_to_the_judge():
+    rng = random.Random(1)
+    texts = {make_request(rng)[1] for _ in range(5000)}
+    assert len(texts) > 200
+    assert [t for t in texts if verdict(t) != 0] == []
+
+
+def test_message_generator_is_deterministic_by_seed_and_honours_weights():
+    def draw(seed, n=50, weights=None):
+        rng = random.Random(seed)
+        return [make_request(rng, weights) for _ in range(n)]
+
+    assert draw(3) == draw(3)
+    assert draw(3) != draw(4)
+    assert {k for k, _ in draw(5, 300)} == set(MESSAGE_TYPES)
+    assert {k for k, _ in draw(5, 100, {"question": 1.0})} == {"question"}
+    assert all(t.endswith("?") for _, t in draw(5, 100, {"question": 1.0}))
+    assert eval_messages(30, seed=2) == eval_messages(30, seed=2) != eval_messages(30, seed=3)
+
+
+def test_policy_version_parsing():
+    assert parse_policy_version("clawray-policy-v0") == 0
+    assert parse_policy_version("clawray-policy-v17") == 17
+    for bad in (None, "", "fp_44709d6fcb", "clawray-policy-v", "clawray-policy-vx",
+                "x-clawray-policy-v3"):
+        assert parse_policy_version(bad) is None
+
+
+def _mock_server(replies: list[str], seen: list[httpx.Request]):
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        text = replies[(len(seen) - 1) % len(replies)]
+        return httpx.Response(200, json={
+            "id": f"chatcmpl-{len(seen)}", "object": "chat.completion", "created": 0,
+            "model": "m", "system_fingerprint": "clawray-policy-v5",
+            "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
+                         "message": {"role": "assistant", "content": text}}]})
+    return handler
+
+
+async def test_a_session_sends_feedback_then_the_next_request_and_ends_with_done():
+    seen: list[httpx.Request] = []
+    replies = [REPLY_QUESTION, REPLY_OTHER, REPLY_GREETING, "unjudged closing reply"]
+    client = openai.AsyncOpenAI(base_url="http://sim.test/v1", api_key="k", max_retries=0,
+                                http_client=httpx.AsyncClient(transport=httpx.MockTransport(
+                                    _mock_server(replies, seen))))
+    got = []
+    user = SimUser(0, client, "m", BriefReplies(), random.Random(9), turns_per_session=3,
+                   run_tag="t", on_interaction=got.append)
+    out = await user.run_session()
+    assert got == out and len(out) == 4 and len(seen) == 4
+    assert [i.turn for i in out] == [1, 2, 3, 4]
+    assert [i.satisfied for i in out] == [False, True, True, None]
+    assert out[-1].message_type == "closing" and out[-1].reply == "unjudged closing reply"
+    assert all(i.policy_version == 5 and i.error is None for i in out)
+    assert len({i.session_id for i in out}) == 1
+    bodies = [json.loads(r.content) for r in seen]
+    headers = [r.headers for r in seen]
+    assert {h["x-session-id"] for h in headers} == {out[0].session_id}
+    assert [h.get("x-session-done") for h in headers] == [None, None, None, "true"]
+    assert {h["x-turn-type"] for h in headers} == {"main"}
+    last = bodies[-1]["messages"]
+    assert [m["role"] for m in last] == ["system"] + ["user", "assistant"] * 3 + ["user"]
+    assert [m["content"] for m in last if m["role"] == "assistant"] == replies[:3]  # verbatim
+    users = [m["content"] for m in last if m["role"] == "user"]
+    assert [verdict(u) for u in users] == [0, -1, 1, 1]  # the judge reads each reply's fate
+    assert users == [i.request for i in out]
+    assert bodies[0]["temperature"] == 1.0 and bodies[0]["max_tokens"] == 48
+    assert satisfaction_rate(out) == pytest.approx(2 / 3)
+
+
+async def test_run_users_records_errors_without_crashing():
+    from tests.conftest import free_port  # nothing listens there
+
+    out = await run_users(f"http://127.0.0.1:{free_port()}/v1", "k", "m", num_users=3,
+                          sessions_per_user=2, turns_per_session=2, timeout_s=5)
+    assert len(out) == 6  # each session stops at its first error
+    assert all(i.error and "APIConnectionError" in i.error and i.satisfied is None for i in out)
+    assert len({i.session_id for i in out}) == 6
+
+
+async def test_run_users_wants_exactly_one_stop_rule():
+    for kw in ({}, {"sessions_per_user": 1, "duration_s": 1.0}):
+        with pytest.raises(ValueError, match="exactly one"):
+            await run_users("http://127.0.0.1:9/v1", "k", "m", **kw)

@@ -2,7 +2,8 @@
 
     clawray build-model           # build (or reuse) the embedded tiny model, print its folder
     clawray serve [-c cfg.yaml]   # start Ray + the Serve app and block (Ctrl-C stops)
-    clawray demo                  # serve the embedded default and replay an OpenClaw session
+    clawray demo                  # serve + train from simulated users; the model visibly learns
+    clawray replay                # serve the embedded default and replay an OpenClaw session
     clawray samples stats PATH    # the sample log: counts, rewards; `samples head PATH -n 5`
 """
 
@@ -46,7 +47,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from clawray.demo import run_demo
 
     cfg = _config(args)
-    return run_demo(cfg, records_dir=Path(args.out))
+    return run_demo(cfg, Path(args.out), iterations=args.iterations, users=args.users,
+                    seed=args.seed)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from clawray.replay import run_replay
+
+    cfg = _config(args)
+    return run_replay(cfg, records_dir=Path(args.out))
 
 
 def _prebuild(cfg: ClawRayConfig) -> None:
@@ -71,12 +80,19 @@ def main(argv: list[str] | None = None) -> int:
         fn=cmd_build_model)
     sub.add_parser("samples", help="inspect the sample log (stats, head)")
     for name, fn, help_ in (("serve", cmd_serve, "serve the policy model"),
-                            ("demo", cmd_demo, "serve + replay an OpenClaw session")):
+                            ("demo", cmd_demo, "serve + train from simulated users"),
+                            ("replay", cmd_replay, "serve + replay an OpenClaw session")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("-c", "--config", help="clawray YAML config")
         p.add_argument("--port", type=int, help="HTTP port (default from config: 8000)")
+        if name in ("demo", "replay"):
+            p.add_argument("--out", default=f"{name}-output", help="where results go")
         if name == "demo":
-            p.add_argument("--out", default="demo-output", help="where the demo writes results")
+            from clawray.demo import ITERATIONS, SEED, USERS
+
+            p.add_argument("--iterations", type=int, default=ITERATIONS)
+            p.add_argument("--users", type=int, default=USERS)
+            p.add_argument("--seed", type=int, default=SEED)
         p.set_defaults(fn=fn)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

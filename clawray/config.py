@@ -216,6 +216,10 @@ class LossSettings(_Section):
     w_opd: float = Field(1.0, ge=0, description="Combine: weight of the OPD token term.")
     w_rl: float = Field(1.0, ge=0, description="Combine: weight of the reward term.")
     opd_clip: float | None = Field(None, gt=0, description="Clip |teacher - rollout| per token.")
+    reward_baseline: Literal["none", "batch_mean"] = Field(
+        "batch_mean", description="Subtract the batch's mean reward (over trainable rl/combine "
+        "rows) before broadcasting it: without a baseline, a batch of mostly -1 rewards only "
+        "pushes probability away from what the policy does, and it drifts into gibberish.")
 
 
 class TrainingConfig(_Section):

@@ -1,4 +1,4 @@
-"""The quick-start demo: serve the embedded default and talk to it like an agent app would.
+"""``clawray replay``: serve the embedded default and replay an agent session through it.
 
 Starts local Ray + the Serve app, runs a 3-turn agent session through the official ``openai``
 SDK (streaming, tools, a tool-call round trip, session headers), then reads the recorded
@@ -35,7 +35,7 @@ USER_TURNS = [
 ]
 
 
-def run_demo(cfg: ClawRayConfig, records_dir: Path) -> int:
+def run_replay(cfg: ClawRayConfig, records_dir: Path) -> int:
     from openai import OpenAI
 
     from clawray.launch import start_serving
@@ -53,10 +53,10 @@ def run_demo(cfg: ClawRayConfig, records_dir: Path) -> int:
     info = policy_model_info(cfg)
     keys = cfg.serving_cfg.resolved_api_keys()
     client = OpenAI(base_url=base_url, api_key=keys[0] if keys else "none", max_retries=0)
-    session = f"demo-{int(time.time())}"
+    session = f"replay-{int(time.time())}"
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a helpful agent. Use tools when asked."}]
-    print(f"clawray demo: model {info.name} at {base_url}, session {session}")
+    print(f"clawray replay: model {info.name} at {base_url}, session {session}")
     for text in USER_TURNS:
         messages.append({"role": "user", "content": text})
         for _ in range(3):  # a tool call is answered by a tool result and a follow-up request

@@ -101,6 +101,22 @@ def advantages_of(data: pa.Table, cfg: LossConfig) -> Tensor:
     return out
 
 
+def center_rewards(data: pa.Table) -> pa.Table:
+    """``data`` with the mean reward of its trainable ``rl``/``combine`` rows subtracted from
+    those rows' rewards (a batch-mean baseline; live turns have no group to compare with)."""
+    kinds = np.asarray(data.column("kind").to_pylist(), dtype=object)
+    rewards = np.asarray(data.column("reward").to_numpy(), dtype=np.float32)
+    packed = pack_column(data, "loss_mask")
+    cu = packed.cu_seqlens.numpy().astype(np.int64)
+    csum = np.concatenate([[0], np.cumsum(packed.values.numpy(), dtype=np.int64)])
+    use = ((kinds == "rl") | (kinds == "combine")) & (csum[cu[1:]] - csum[cu[:-1]] > 0)
+    if not use.any():
+        return data
+    centered = np.where(use, rewards - rewards[use].mean(), rewards).astype(np.float32)
+    i = data.schema.get_field_index("reward")
+    return data.set_column(i, data.schema.field(i), pa.array(centered, pa.float32()))
+
+
 def make_batch(data: pa.Table | pa.RecordBatch, cfg: LossConfig) -> PackedBatch:
     """Pack ``data``'s rows for one forward pass (copies the ids once, nothing else)."""
     if isinstance(data, pa.RecordBatch):

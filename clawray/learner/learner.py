@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from clawray.config import TrainingConfig
-from clawray.learner.batch import (PackedBatch, loss_seq_count, loss_token_count, make_batch,
+from clawray.learner.batch import (PackedBatch, center_rewards, loss_seq_count, loss_token_count, make_batch,
                                    shard_rows)
 from clawray.learner.losses import LossConfig, policy_loss
 from clawray.samples import pack_column
@@ -67,7 +67,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 
 
 def loss_config_of(cfg: TrainingConfig) -> LossConfig:
-    return LossConfig(**cfg.loss.model_dump())
+    return LossConfig(**cfg.loss.model_dump(exclude={"reward_baseline"}))
 
 
 def ds_config(cfg: TrainingConfig, world_size: int) -> dict[str, Any]:
@@ -191,6 +191,8 @@ class LearnerCore:
             raise ValueError("update() got an empty batch")
         t0 = time.perf_counter()
         self.engine.train()
+        if self.cfg.loss.reward_baseline == "batch_mean":
+            data = center_rewards(data)
         token_cu = pack_column(data, "response_ids").cu_seqlens.numpy()
         prox_all = self._proximal(data)
         # Token-mean metrics are kept as sums (``<name>_sum``); ``combine_rank_metrics`` divides.

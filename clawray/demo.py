@@ -1,0 +1,212 @@
+"""``clawray demo``: the model learns a hidden user preference from live conversations.
+
+One command on a fresh machine (CPU, the embedded tiny model):
+
+1. starts local Ray and the Serve app (the OpenAI-compatible endpoint);
+2. measures the users' preference-satisfaction rate on a fixed evaluation set (side turns,
+   seeded sampling: never trained on, the same replies for the same weights);
+3. lets simulated users (``clawray.sim``: they want brief replies, and say so in natural
+   language) chat through the HTTP API while the trainer runs: live turns → PRM judge (the
+   heuristic rule judge reads the users' feedback) → samples → DeepSpeed update → weights
+   pushed into the serving replica, without pausing the users;
+4. measures the rate again on the same evaluation set, and writes ``progress.png`` (live
+   satisfaction rate per policy version and mean reward per training step),
+   ``summary.json``, ``metrics.jsonl``, ``interactions.jsonl`` and the sample log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from clawray.config import ClawRayConfig
+
+ITERATIONS = 40
+USERS = 8
+EVAL_N = 150
+SEED = 0
+
+
+def demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED) -> ClawRayConfig:
+    """The demo's settings on top of ``cfg``: live samples into ``out``, a fast loop.
+
+    Measured on the embedded model (docs/training.md): without a KL term the tiny, very
+    peaked policy drifts into gibberish within ~10 updates (pushing probability away from its
+    canned replies spreads it over junk tokens); k3 KL to the initial weights at 0.5 keeps it
+    readable, and only samples at most one version old are trained on."""
+    return cfg.copy_with(
+        serving={"record_sink": ["hub"], "default_max_tokens": 48},
+        sessions={"feedback_window_s": 0.0, "idle_timeout_s": 5.0, "flush_interval_s": 0.2},
+        judge={"num_voters": 1},
+        buffer={"path": str(out / "samples"), "seal_age_s": 0.2, "max_staleness": 1},
+        training={"batch_size": 32, "lr": 1e-4, "loss": {"kl_coef": 0.5},
+                  "take_timeout_s": 60.0, "min_batch": 8,
+                  "zero_stage": 1, "learner_num_cpus": 0.5, "seed": seed,
+                  "checkpoint_dir": str(out / "checkpoints"),
+                  "metrics_path": str(out / "metrics.jsonl")})
+
+
+class UserPool:
+    """Simulated users chatting in a background thread until ``stop()``."""
+
+    def __init__(self, base_url: str, api_key: str, model: str, num_users: int, seed: int,
+                 log_path: Path) -> None:
+        self.args = (base_url, api_key, model)
+        self.num_users, self.seed = num_users, seed
+        self.interactions: list[Any] = []
+        self._log = log_path.open("w")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True,
+                                        name="sim-users")
+
+    def start(self) -> "UserPool":
+        self._thread.start()
+        return self
+
+    def _record(self, rec: Any) -> None:
+        self.interactions.append(rec)
+        self._log.write(json.dumps(dataclasses.asdict(rec)) + "\n")
+
+    async def _run(self) -> None:
+        from clawray.sim.preferences import BriefReplies
+        from clawray.sim.users import SimUser, make_client
+
+        base_url, api_key, model = self.args
+        client = make_client(base_url, api_key, timeout_s=120, concurrency=self.num_users)
+        users = [SimUser(i, client, model, BriefReplies(), random.Random(f"{self.seed}/{i}"),
+                         turns_per_session=3, run_tag=f"demo{self.seed}",
+                         on_interaction=self._record) for i in range(self.num_users)]
+
+        async def drive(user: SimUser) -> None:
+            while not self._stop.is_set():
+                await user.run_session()
+
+        try:
+            await asyncio.gather(*(drive(u) for u in users))
+        finally:
+            await client.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=180)
+        self._log.close()
+
+    def rate_by_version(self) -> dict[int, tuple[float, int]]:
+        """Live satisfaction rate of the replies each policy version served: (rate, n)."""
+        by: dict[int, list[bool]] = {}
+        for rec in list(self.interactions):
+            if rec.satisfied is not None and rec.policy_version is not None:
+                by.setdefault(rec.policy_version, []).append(rec.satisfied)
+        return {v: (sum(s) / len(s), len(s)) for v, s in sorted(by.items())}
+
+    def errors(self) -> int:
+        return sum(rec.error is not None for rec in list(self.interactions))
+
+
+def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, out: Path, *,
+                 iterations: int, users: int, eval_n: int, seed: int,
+                 log: Any = print) -> dict[str, Any]:
+    """Evaluate, train from simulated live users, evaluate again; return the summary."""
+    from clawray.sim.users import evaluate
+    from clawray.trainer import Trainer
+
+    started = time.monotonic()
+    before = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed))
+    log(f"clawray demo: before training, the users' preference is met by {before.rate:.1%} "
+        f"of replies ({before.n} evaluation requests, policy v{max(before.policy_versions)})")
+    trainer = Trainer(config=cfg.to_dict())
+    pool = UserPool(base_url, api_key, model, users, seed, out / "interactions.jsonl").start()
+    results = []
+    try:
+        for _ in range(iterations):
+            r = trainer.train()
+            results.append(r)
+            live = pool.rate_by_version().get(r["policy_version"] - 1)
+            log(f"  step {r['training_iteration']:>3}  samples {r['samples']:>3}  "
+                f"reward {r.get('reward_mean', float('nan')):+.2f}  "
+                f"loss {r.get('loss', float('nan')):+.3f}  version {r['policy_version']:>3}  "
+                f"live satisfaction (v{r['policy_version'] - 1}) "
+                + (f"{live[0]:.0%} of {live[1]}" if live else "-"))
+    finally:
+        pool.stop()
+        trainer.stop()
+    after = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed))
+    log(f"clawray demo: after {iterations} steps, {after.rate:.1%} "
+        f"(policy v{max(after.policy_versions)}; before: {before.rate:.1%})")
+    summary = {
+        "seed": seed, "iterations": iterations, "users": users,
+        "before": {"rate": before.rate, "n": before.n, "per_type": before.per_type,
+                   "policy_versions": before.policy_versions},
+        "after": {"rate": after.rate, "n": after.n, "per_type": after.per_type,
+                  "policy_versions": after.policy_versions},
+        "live_rate_by_version": {str(v): {"rate": r, "n": n}
+                                 for v, (r, n) in pool.rate_by_version().items()},
+        "reward_by_step": [r.get("reward_mean") for r in results],
+        "samples_trained": sum(r.get("samples", 0) for r in results),
+        "user_errors": pool.errors(),
+        "eval_errors": before.errors + after.errors,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    plot_progress(summary, out / "progress.png")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def plot_progress(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    live = summary["live_rate_by_version"]
+    versions = [int(v) for v in live]
+    a.plot(versions, [live[str(v)]["rate"] for v in versions], "o-", label="live users")
+    a.axhline(summary["before"]["rate"], color="grey", ls="--",
+              label=f"eval before ({summary['before']['rate']:.0%})")
+    a.axhline(summary["after"]["rate"], color="green", ls="--",
+              label=f"eval after ({summary['after']['rate']:.0%})")
+    a.set(xlabel="policy version (training step)", ylabel="preference satisfied",
+          ylim=(0, 1.02), title="Users get the brief replies they want")
+    a.legend(loc="lower right")
+    rewards = summary["reward_by_step"]
+    b.plot(range(1, len(rewards) + 1), rewards, "o-", color="tab:orange")
+    b.set(xlabel="training step", ylabel="mean reward of the batch", ylim=(-1.05, 1.05),
+          title="Judged reward (PRM majority vote)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS, users: int = USERS,
+             eval_n: int = EVAL_N, seed: int = SEED) -> int:
+    from clawray.launch import start_serving
+    from clawray.serve.policy_server import policy_model_info
+
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("samples", "checkpoints"):  # a previous run's log would be trained on
+        import shutil
+
+        shutil.rmtree(out / stale, ignore_errors=True)
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    cfg = demo_config(cfg, out, seed)
+    t0 = time.monotonic()
+    base_url = start_serving(cfg, blocking=False)
+    keys = cfg.serving_cfg.resolved_api_keys()
+    model = policy_model_info(cfg).name
+    print(f"clawray demo: serving {model} at {base_url} ({time.monotonic() - t0:.0f} s); "
+          f"{users} simulated users want brief replies (at most 8 words) and say so")
+    summary = run_learning(cfg, base_url, keys[0] if keys else "none", model, out,
+                           iterations=iterations, users=users, eval_n=eval_n, seed=seed)
+    print(f"clawray demo: satisfaction {summary['before']['rate']:.1%} → "
+          f"{summary['after']['rate']:.1%} on {summary['after']['n']} evaluation requests; "
+          f"plot {out / 'progress.png'}, summary {out / 'summary.json'} "
+          f"({time.monotonic() - t0:.0f} s in all)")
+    ok = summary["after"]["rate"] > summary["before"]["rate"] and not summary["user_errors"]
+    return 0 if ok else 1

@@ -1,5 +1,5 @@
 # The two quick-start commands (each sets up .venv first):
-#   make demo   - serve the embedded default model and replay an agent session through it
+#   make demo   - serve the embedded default model and train it live from simulated users
 #   make test   - run the test suite
 .PHONY: setup demo test bench
 

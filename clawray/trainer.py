@@ -86,7 +86,15 @@ class Trainer(tune.Trainable):
         self._ensure_app()
         self.pipeline = start_live_pipeline(self.cfg, self.app)
         self.control = start_app_control(self.app)
-        published = int(ray.get(self.control.status.remote())["version"])
+        control = ray.get(self.control.status.remote())
+        published = int(control["version"])
+        if t.lora_rank and published and control.get("kind") != "lora":
+            # Replicas merge adapters into the weights they served before the first LoRA
+            # payload; those must be the learner's base model, not a fine-tuned version.
+            raise RuntimeError(
+                f"app '{self.app}' serves full weights of version {published}: LoRA training "
+                "needs serving to run the learner's base model (redeploy the app, or train "
+                "without lora_rank)")
         model_path = policy_model_info(self.cfg).path
         self.learner = LearnerGroup(model_path, t)
         self.sync_kind = "lora" if t.lora_rank else "object_store"

@@ -110,3 +110,20 @@ def test_counts_and_shards():
     assert loss_token_count(t) == 4 and loss_seq_count(t) == 2
     assert [shard_rows(7, 3, i) for i in range(3)] == [(0, 3), (3, 5), (5, 7)]
     assert shard_rows(1, 2, 1) == (1, 1)
+
+
+def test_batch_mean_baseline_centres_only_trainable_reward_rows():
+    from clawray.learner.batch import center_rewards
+
+    def row(i, kind, reward, mask):
+        return make_row(sample_id=str(i), kind=kind, source="live", prompt_ids=[1],
+                        response_ids=[2, 3], rollout_logprobs=[-1.0, -1.0], policy_version=0,
+                        loss_mask=mask, reward=reward,
+                        teacher_logprobs=[-0.5, -0.5] if kind == "opd" else None)
+
+    t = pa.Table.from_batches([rows_to_batch([
+        row(0, "rl", 1.0, [1, 1]), row(1, "rl", -1.0, [1, 0]), row(2, "rl", -1.0, [1, 1]),
+        row(3, "rl", 0.0, [0, 0]), row(4, "opd", 0.0, [1, 1])])])
+    got = center_rewards(t).column("reward").to_pylist()
+    mean = -1.0 / 3
+    assert got == pytest.approx([1 - mean, -1 - mean, -1 - mean, 0.0, 0.0])

@@ -239,6 +239,10 @@ class TrainingConfig(_Section):
     micro_batches: int = Field(
         1, ge=1, description="Gradient-accumulation micro-batches per optimizer step and rank."
     )
+    max_pack_tokens: int = Field(
+        2048, ge=16, description="Rows are packed into forward passes of at most this many "
+        "tokens (a longer row goes alone): attention and its mask grow with the square of a "
+        "pack, so one pack per micro-batch would be slower than padding.")
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)

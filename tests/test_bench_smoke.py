@@ -1,6 +1,7 @@
-"""A quick run of ``bench/serving.py`` for the rows that need no Ray: the in-process floor (a)
-and the peer proxy design (b), whose two uvicorn servers really start and serve over loopback.
-The Ray Serve rows need clusters of their own and belong to the full benchmark only."""
+"""Quick runs of the benchmarks. ``bench/serving.py`` for the rows that need no Ray: the
+in-process floor (a) and the peer proxy design (b), whose two uvicorn servers really start and
+serve over loopback (the Ray Serve rows need clusters of their own and belong to the full
+benchmark only). ``bench/learner.py --quick`` whole, in a subprocess with its own Ray."""
 
 from __future__ import annotations
 
@@ -59,3 +60,45 @@ def test_quick_run_of_inproc_and_peer_proxy_writes_complete_results(serving_benc
     png = out.with_suffix(".png")
     assert png.stat().st_size > 10_000
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quick_run_of_the_learner_bench_compares_the_same_work_and_times_a_sync(
+        tiny_model_path, tmp_path):
+    """``bench/learner.py --quick`` in its own process: it joins a gloo process group and
+    starts (then shuts down) a local Ray cluster, neither of which may touch this session's."""
+    import subprocess
+
+    out = tmp_path / "learner.json"
+    run = subprocess.run([sys.executable, str(BENCH / "learner.py"), "--quick", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = json.loads(out.read_text())
+
+    assert report["benchmark"] == "learner" and report["machine"]["versions"]["deepspeed"]
+    assert report["settings"]["model_path"] == str(tiny_model_path)
+    shape = report["batches"]
+    assert shape["rows_per_batch"] == 16 and shape["padding_waste_mean"] > 0
+    rows = {r["contender"]: r for r in report["throughput"]["results"]}
+    assert set(rows) == {"ds-zero0", "ds-zero1", "torch-packed", "torch-padded"}
+    for r in rows.values():
+        assert r["rounds"] == 2 and r["tokens_per_s"] > 0 and r["ratio_paired_median"] > 0
+    # The same batches for everyone, real tokens only (padding is not counted).
+    assert len({r["tokens"] for r in rows.values()}) == 1
+    assert rows["torch-packed"]["tokens"] == sum(shape["tokens_per_batch"][-2:])  # after warm-up
+    # Same start, same updates: the DeepSpeed learner and both plain loops end on the same weights.
+    diff = report["throughput"]["max_weight_diff_vs_baseline"]
+    assert diff["ds-zero0"] < 1e-4 and diff["ds-zero1"] < 1e-4 and diff["torch-padded"] < 1e-3
+
+    summary = report["summary"]
+    assert summary["baseline"] == "torch-packed" and summary["target_ratio"] == 0.9
+    assert set(summary["target_met"]) == {"ds-zero0", "ds-zero1"}
+    assert summary["packed_vs_padded"] > 0
+
+    sync = report["sync"]
+    assert [r["version"] for r in sync["rounds"]] == [1, 2] and sync["served_version"] == 2
+    assert sync["bytes"] == sync["copy_bytes"] > 1_000_000  # the whole state dict, both ways
+    assert sync["sync_s_median"] > 0 and sync["copy_s_median"] > 0 and sync["sync_vs_copy"] > 0
+    assert all(r["replicas"] == 1 for r in sync["rounds"])
+
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -31,8 +31,11 @@ def learner(tiny_model_path):
     return make
 
 
-def test_packed_forward_matches_the_rollout_logprobs(learner, batch):
-    core = learner(zero_stage=0)
+@pytest.mark.parametrize("max_pack_tokens", [4096, 64, 16])
+def test_packed_forward_matches_the_rollout_logprobs(learner, batch, max_pack_tokens):
+    core = learner(zero_stage=0, max_pack_tokens=max_pack_tokens)
+    if max_pack_tokens == 16:  # every row is longer: one row per pack
+        assert len(make_batch(batch, LossConfig()).packs(16)) == batch.num_rows
     got = core.logprobs(batch)
     want = batch.column("rollout_logprobs").to_pylist()
     assert [len(g) for g in got] == [len(w) for w in want]

@@ -46,11 +46,47 @@ class PackedBatch:
 
     def block_causal_mask(self) -> Tensor:
         """[1, 1, T, T] bool: causal within a row, nothing across rows (for SDPA/eager)."""
-        seg = torch.repeat_interleave(torch.arange(self.num_seqs),
-                                      torch.diff(self.cu_seqlens))
-        t = self.num_tokens
-        causal = torch.ones(t, t, dtype=torch.bool).tril_()
-        return (causal & (seg[:, None] == seg[None, :]))[None, None]
+        return block_causal_mask(self.cu_seqlens)
+
+    def packs(self, max_tokens: int) -> list[Pack]:
+        """The rows cut into forward passes of at most ``max_tokens`` tokens each (a longer
+        row goes alone), in row order: their response tokens, concatenated, are this batch's
+        per-token tensors."""
+        cu = self.cu_seqlens.tolist()
+        out: list[Pack] = []
+        a = 0
+        while a < self.num_seqs:
+            b = a + 1
+            while b < self.num_seqs and cu[b + 1] - cu[a] <= max_tokens:
+                b += 1
+            t0, t1 = cu[a], cu[b]
+            lo = int(torch.searchsorted(self.score_positions, t0 - 1, right=False))
+            hi = int(torch.searchsorted(self.score_positions, t1 - 1, right=False))
+            out.append(Pack(self.input_ids[t0:t1], self.position_ids[t0:t1],
+                            self.cu_seqlens[a:b + 1] - t0, self.score_positions[lo:hi] - t0,
+                            self.target_ids[lo:hi]))
+            a = b
+        return out
+
+
+@dataclass
+class Pack:
+    """One forward pass over whole rows of a ``PackedBatch``."""
+
+    input_ids: Tensor
+    position_ids: Tensor
+    cu_seqlens: Tensor
+    score_positions: Tensor
+    target_ids: Tensor
+
+
+def block_causal_mask(cu_seqlens: Tensor) -> Tensor:
+    """[1, 1, T, T] bool: causal within each row of ``cu_seqlens``, nothing across rows."""
+    lengths = torch.diff(cu_seqlens)
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    t = int(cu_seqlens[-1] - cu_seqlens[0])
+    causal = torch.ones(t, t, dtype=torch.bool).tril_()
+    return (causal & (seg[:, None] == seg[None, :]))[None, None]
 
 
 def _per_token_or_none(data: pa.Table, column: str) -> list[np.ndarray | None]:

@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 
 from clawray.config import TrainingConfig
-from clawray.learner.batch import (PackedBatch, center_rewards, loss_seq_count, loss_token_count, make_batch,
-                                   shard_rows)
+from clawray.learner.batch import (PackedBatch, block_causal_mask, center_rewards,
+                                   loss_seq_count, loss_token_count, make_batch, shard_rows)
 from clawray.learner.losses import LossConfig, policy_loss
 from clawray.samples import pack_column
 
@@ -64,6 +64,33 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                init_method=f"tcp://{master_addr}:{master_port}",
                                rank=rank, world_size=world_size)
+
+
+def packed_logprobs(model: Any, pb: PackedBatch, *, entropy: bool = False,
+                    max_tokens: int = 2048, flash: bool = False,
+                    device: torch.device | str = "cpu") -> tuple[Tensor, Tensor | None]:
+    """Log-prob (and entropy) of every response token of ``pb`` under ``model``.
+
+    One forward per pack of at most ``max_tokens`` tokens: rows back to back, position ids
+    restarting per row, a block-causal mask (flash-attention finds the rows from the position
+    ids instead), and the LM head only at the positions that score a response token
+    (``logits_to_keep``)."""
+    lps, ents = [], []
+    for pack in pb.packs(max_tokens):
+        kwargs: dict[str, Any] = {
+            "input_ids": pack.input_ids[None].to(device),
+            "position_ids": pack.position_ids[None].to(device),
+            "logits_to_keep": pack.score_positions.to(device),
+            "use_cache": False,
+        }
+        if not flash:
+            kwargs["attention_mask"] = block_causal_mask(pack.cu_seqlens).to(device)
+        logits = model(**kwargs).logits[0].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        lps.append(logp.gather(-1, pack.target_ids.to(device)[:, None])[:, 0])
+        if entropy:
+            ents.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(lps), (torch.cat(ents) if entropy else None)
 
 
 def loss_config_of(cfg: TrainingConfig) -> LossConfig:
@@ -128,21 +155,8 @@ class LearnerCore:
         return self.engine.module
 
     def _forward(self, model: Any, pb: PackedBatch, entropy: bool) -> tuple[Tensor, Tensor | None]:
-        """Log-prob (and entropy) of every response token of ``pb`` under ``model``."""
-        dev = self.device
-        kwargs: dict[str, Any] = {
-            "input_ids": pb.input_ids[None].to(dev),
-            "position_ids": pb.position_ids[None].to(dev),
-            "logits_to_keep": pb.score_positions.to(dev),
-            "use_cache": False,
-        }
-        if not self.attn.startswith("flash"):  # flash-attention reads rows from position_ids
-            kwargs["attention_mask"] = pb.block_causal_mask().to(dev)
-        logits = model(**kwargs).logits[0].float()
-        logp = torch.log_softmax(logits, dim=-1)
-        lp = logp.gather(-1, pb.target_ids.to(dev)[:, None])[:, 0]
-        ent = -(logp.exp() * logp).sum(-1) if entropy else None
-        return lp, ent
+        return packed_logprobs(model, pb, entropy=entropy, max_tokens=self.cfg.max_pack_tokens,
+                               flash=self.attn.startswith("flash"), device=self.device)
 
     def _reference_logprobs(self, pb: PackedBatch) -> Tensor | None:
         if self.loss_cfg.kl_coef <= 0:

@@ -340,3 +340,15 @@ def test_loss_config_defaults():
     cfg = LossConfig()
     assert (cfg.clip_low, cfg.clip_high, cfg.tis_cap, cfg.agg) == (0.2, 0.28, 2.0, "token_mean")
     assert LossConfig(tis_cap=None).tis_cap is None
+
+
+def test_k3_kl_is_bounded_when_the_policy_rules_out_a_reference_token():
+    from clawray.learner.losses import K3_MAX, LossConfig, policy_loss
+
+    lp = torch.tensor([-30.0, -1.0], requires_grad=True)  # token 0: near impossible now
+    ref = torch.tensor([-0.1, -1.0])
+    cfg = LossConfig(kl_coef=1.0)
+    loss, metrics = policy_loss(lp, lp.detach(), torch.zeros(2), torch.ones(2),
+                                torch.zeros(2, dtype=torch.long), 1, cfg, ref_logprobs=ref)
+    assert metrics["kl"] == pytest.approx(K3_MAX / 2)  # (10 + 0) / 2 tokens
+    assert torch.isfinite(loss) and loss.item() == pytest.approx(K3_MAX / 2)

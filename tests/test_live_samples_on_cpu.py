@@ -104,8 +104,15 @@ def test_affinity_headers_tool_call_and_derived_session(client, served):
     first = {"role": "user", "content": f"Hello {uuid.uuid4().hex[:6]}, what is 5+5?"}
     b1, _ = ask(client, served, [SYS, first])
     ask(client, served, [SYS, first, b1, {"role": "user", "content": "great, thank you"}])
-    recs = served.records(expected=2, session_id_source="derived")
-    sid = [r for r in recs if r.messages[1]["content"] == first["content"]][0].session_id
+    # Other tests leave derived records too: wait for this conversation's own.
+    deadline = time.time() + 20
+    while True:
+        recs = [r for r in served.records(expected=1, session_id_source="derived")
+                if r.messages[1]["content"] == first["content"]]
+        if len(recs) >= 2 or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    sid = recs[0].session_id
     assert sid.startswith("derived-")
     rows = served.samples(expected=1, session_id=sid, turn=1)
     assert [(r["judge_status"], r["reward"]) for r in rows] == [("judged", 1.0)]

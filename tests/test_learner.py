@@ -130,3 +130,17 @@ def test_batch_mean_baseline_centres_only_trainable_reward_rows():
     got = center_rewards(t).column("reward").to_pylist()
     mean = -1.0 / 3
     assert got == pytest.approx([1 - mean, -1 - mean, -1 - mean, 0.0, 0.0])
+
+
+def test_zero3_trains_and_gathers_full_weights_for_serving(learner, batch, tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    core = learner(zero_stage=3)
+    a = combine_rank_metrics([core.update(batch)])
+    b = combine_rank_metrics([core.update(batch)])
+    assert b["loss"] < a["loss"]
+    kind, state = core.sync_payload()  # partitioned parameters are gathered for the payload
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_path)).state_dict()
+    assert kind == "full" and set(state) == set(base)
+    assert all(state[k].shape == base[k].shape for k in base)
+    assert any(not torch.equal(state[k], base[k]) for k in base)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 from clawray.config import ClawRayConfig
 
@@ -29,7 +30,13 @@ def start_serving(cfg: ClawRayConfig, *, blocking: bool) -> str:
     )
     serve.run(build_app(cfg), name="clawray", route_prefix="/", blocking=False)
     handle = serve.get_app_handle("clawray")
-    ours = {handle.instance_id.remote().result() for _ in range(4 * s.ingress_replicas)}
+
+    def instances() -> set[str]:
+        return {handle.instance_id.remote().result() for _ in range(4 * s.ingress_replicas)}
+
+    # A blocking handle call is refused inside a running event loop (a Jupyter cell): probe
+    # from a worker thread there.
+    ours = _off_event_loop(instances)
     direct = direct_ingress_urls(s.host, ours)
     for url in direct:
         print(f"clawray: ingress replica serving directly at {url}/v1 (fastest)", flush=True)
@@ -39,6 +46,19 @@ def start_serving(cfg: ClawRayConfig, *, blocking: bool) -> str:
         while True:
             time.sleep(3600)
     return (direct[0] if direct else f"http://{s.host}:{s.port}") + "/v1"
+
+
+def _off_event_loop(fn: Any) -> Any:
+    """``fn()``, in a worker thread when this thread runs an asyncio event loop."""
+    import asyncio
+    import concurrent.futures
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return fn()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn).result()
 
 
 def direct_ingress_urls(host: str, instances: set[str], first_port: int = 30000,

@@ -6,7 +6,7 @@ import importlib.metadata
 import os
 import platform
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -42,6 +42,29 @@ def summarize(raw: dict[str, Any], requests: int, warmup: int,
         "server_cpu_ms_per_req": (round(1000 * server_cpu_s / (ok + raw["errors"] + warmup), 3)
                                   if server_cpu_s is not None else None),
     }
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def wait_for_quiet(max_wait_s: float, log: Callable[[str], None] = _say,
+                   busy_pct: float = 30.0) -> float:
+    """Wait (up to ``max_wait_s``) until other processes leave the machine mostly idle;
+    returns the busy CPU % last seen (the caller is idle meanwhile)."""
+    import time
+
+    import psutil
+
+    if max_wait_s <= 0:
+        return psutil.cpu_percent(interval=0.2)
+    deadline = time.time() + max_wait_s
+    while True:
+        busy = psutil.cpu_percent(interval=1.0)
+        if busy < busy_pct or time.time() > deadline:
+            return busy
+        log(f"    machine busy ({busy:.0f}% CPU by others), waiting...")
+        time.sleep(4)
 
 
 def machine_info() -> dict[str, Any]:

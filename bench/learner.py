@@ -55,6 +55,8 @@ RESULTS = BENCH / "results"
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
+from _report import machine_info, wait_for_quiet  # noqa: E402
+
 TARGET_RATIO = 0.9  # DeepSpeed learner tokens/s vs the plain PyTorch loop (issue 4)
 BASELINE = "torch-packed"
 CONTENDERS = ("ds-zero0", "ds-zero1", "torch-packed", "torch-padded")
@@ -266,23 +268,6 @@ def machine_busy_s() -> float:
 def own_cpu_s() -> float:
     t = os.times()
     return t.user + t.system
-
-
-def wait_for_quiet(max_wait_s: float, log: Callable[[str], None], busy_pct: float = 30.0
-                   ) -> float:
-    """Wait (up to ``max_wait_s``) until other processes leave the machine mostly idle;
-    returns the busy CPU % last seen (this process is idle meanwhile)."""
-    import psutil
-
-    if max_wait_s <= 0:
-        return psutil.cpu_percent(interval=0.2)
-    deadline = time.time() + max_wait_s
-    while True:
-        busy = psutil.cpu_percent(interval=1.0)
-        if busy < busy_pct or time.time() > deadline:
-            return busy
-        log(f"    machine busy ({busy:.0f}% CPU by others), waiting...")
-        time.sleep(4)
 
 
 def timed_update(learner: Any, table: Any) -> dict[str, float]:
@@ -580,7 +565,6 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print) 
 
     import torch
 
-    from _report import machine_info
 
     machine = machine_info()
     machine["versions"].update({p: md.version(p) for p in ("torch", "deepspeed", "pyarrow")})

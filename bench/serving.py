@@ -45,7 +45,8 @@ sys.path.insert(0, str(BENCH))
 
 import _profile  # noqa: E402
 from _bodies import describe, make_bodies  # noqa: E402
-from _report import machine_info, print_report, save_plot, summarize, target_checks  # noqa: E402
+from _report import (machine_info, print_report, save_plot, summarize,  # noqa: E402
+                     target_checks, wait_for_quiet)
 from _servers import Servers, start_peer, start_ray, stop  # noqa: E402
 
 TPUT = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
@@ -112,19 +113,6 @@ def cpu_seconds(procs: list[psutil.Process]) -> dict[int, float]:
         except psutil.NoSuchProcess:
             pass
     return out
-
-
-def wait_for_quiet(max_wait_s: float, busy_pct: float = 30.0) -> float:
-    """Wait (up to ``max_wait_s``) until the machine is mostly idle; returns the busy CPU %."""
-    if max_wait_s <= 0:
-        return psutil.cpu_percent(interval=0.2)
-    deadline = time.time() + max_wait_s
-    while True:
-        busy = psutil.cpu_percent(interval=1.0)
-        if busy < busy_pct or time.time() > deadline:
-            return busy
-        print(f"    machine busy ({busy:.0f}% CPU by others), waiting...", flush=True)
-        time.sleep(4)
 
 
 def machine_busy_s() -> float:

@@ -142,10 +142,7 @@ def center_rewards(data: pa.Table) -> pa.Table:
     those rows' rewards (a batch-mean baseline; live turns have no group to compare with)."""
     kinds = np.asarray(data.column("kind").to_pylist(), dtype=object)
     rewards = np.asarray(data.column("reward").to_numpy(), dtype=np.float32)
-    packed = pack_column(data, "loss_mask")
-    cu = packed.cu_seqlens.numpy().astype(np.int64)
-    csum = np.concatenate([[0], np.cumsum(packed.values.numpy(), dtype=np.int64)])
-    use = ((kinds == "rl") | (kinds == "combine")) & (csum[cu[1:]] - csum[cu[:-1]] > 0)
+    use = ((kinds == "rl") | (kinds == "combine")) & trainable_rows(data)
     if not use.any():
         return data
     centered = np.where(use, rewards - rewards[use].mean(), rewards).astype(np.float32)
@@ -193,12 +190,17 @@ def loss_token_count(data: pa.Table) -> int:
     return int(pack_column(data, "loss_mask").values.sum())
 
 
-def loss_seq_count(data: pa.Table) -> int:
-    """Rows with at least one masked-in token (the seq-mean denominator)."""
+def trainable_rows(data: pa.Table) -> np.ndarray:
+    """Per row: whether it has at least one masked-in token."""
     packed = pack_column(data, "loss_mask")
     cu = packed.cu_seqlens.numpy().astype(np.int64)
     csum = np.concatenate([[0], np.cumsum(packed.values.numpy(), dtype=np.int64)])
-    return int((csum[cu[1:]] - csum[cu[:-1]] > 0).sum())
+    return csum[cu[1:]] - csum[cu[:-1]] > 0
+
+
+def loss_seq_count(data: pa.Table) -> int:
+    """Rows with at least one masked-in token (the seq-mean denominator)."""
+    return int(trainable_rows(data).sum())
 
 
 def shard_rows(num_rows: int, parts: int, index: int) -> tuple[int, int]:

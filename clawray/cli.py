@@ -4,6 +4,7 @@
     clawray serve [-c cfg.yaml]   # start Ray + the Serve app and block (Ctrl-C stops)
     clawray demo                  # serve + train from simulated users; the model visibly learns
     clawray replay                # serve the embedded default and replay an OpenClaw session
+    clawray sft [-c cfg.yaml]     # warm-start the policy on expert demos (cached), print its folder
     clawray samples stats PATH    # the sample log: counts, rewards; `samples head PATH -n 5`
 """
 
@@ -58,6 +59,23 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return run_replay(cfg, records_dir=Path(args.out))
 
 
+def cmd_sft(args: argparse.Namespace) -> int:
+    from clawray.sft import run_sft
+    from clawray.train import load_config, apply_sets
+
+    cfg = apply_sets(load_config(args.config), args.set).validate()
+    _prebuild(cfg)
+    result = run_sft(cfg, force=args.force)
+    info = result.info
+    print(f"clawray sft: {'cached' if result.cached else 'trained'} {result.path}")
+    if "success_before" in info:
+        print(f"clawray sft: held-out success on {info['eval_tasks']} {info['family']} tasks: "
+              f"{info['success_before']:.1%} -> {info['success_after']:.1%} "
+              f"(NLL {info['nll_first']:.3f} -> {info['nll_last']:.3f})")
+    print(f"clawray sft: use it with model.path: {result.path}")
+    return 0
+
+
 def _prebuild(cfg: ClawRayConfig) -> None:
     """Build the embedded model in this process, with progress, before replicas need it."""
     if cfg.model_cfg.path.startswith("embedded:"):
@@ -79,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("build-model", help="build the embedded tiny model").set_defaults(
         fn=cmd_build_model)
     sub.add_parser("samples", help="inspect the sample log (stats, head)")
+    p = sub.add_parser("sft", help="warm-start the policy on expert demonstrations")
+    p.add_argument("-c", "--config", help="clawray YAML (environments:, sft: sections)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value, e.g. --set sft.steps=100")
+    p.add_argument("--force", action="store_true", help="retrain even if cached")
+    p.set_defaults(fn=cmd_sft)
     for name, fn, help_ in (("serve", cmd_serve, "serve the policy model"),
                             ("demo", cmd_demo, "serve + train from simulated users"),
                             ("replay", cmd_replay, "serve + replay an OpenClaw session")):

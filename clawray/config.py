@@ -266,6 +266,67 @@ class TrainingConfig(_Section):
     metrics_path: str | None = Field(
         None, description="JSONL of per-iteration metrics; default: checkpoint_dir/metrics.jsonl."
     )
+    mode: Literal["live", "env", "mixed"] = Field(
+        "live", description="Train on live sessions, on env runners' GRPO groups, or both.")
+    env_fraction: float = Field(
+        0.5, ge=0, le=1, description="mixed mode: share of each batch taken from env rows "
+        "(the rest from live rows; a side that has too few is topped up from the other).")
+    seed: int = 0
+
+
+class EnvironmentsConfig(_Section):
+    """Synthetic environments and the EnvRunner actors that play them (``clawray/envs``)."""
+
+    family: str = Field("household", description="'household', 'tool_use', 'gym:<env id>' or "
+                        "an import path 'package.module:attr' to a TaskFamily.")
+    family_kwargs: dict[str, Any] = Field(default_factory=dict)
+    num_runners: int = Field(1, ge=0, description="EnvRunner actors (0: no env rollouts).")
+    runner_num_cpus: float = Field(0.5, ge=0)
+    concurrency: int = Field(4, ge=1, description="GRPO groups each runner plays at once.")
+    group_size: int = Field(4, ge=1, description="Rollouts per task (a GRPO group).")
+    max_tokens: int = Field(48, ge=1, description="Token budget of one action.")
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_steps: int = Field(50, ge=1, description="Hard cap on an episode's steps (a task's "
+                           "own budget is usually smaller).")
+    max_prompt_tokens: int | None = Field(
+        None, ge=16, description="End an episode (as a failure) when its history outgrows "
+        "this; default: the model's context minus max_tokens.")
+    zero_advantage: Literal["keep_masked", "drop"] = Field(
+        "keep_masked", description="Groups whose rollouts all scored the same carry no GRPO "
+        "signal: keep their rows with loss mask 0 (logged, not trained) or drop them.")
+    buffer_suffix: str = Field("env-buffer", description="Env rows go to '{app}:<suffix>', "
+                               "with its write-ahead log in '<buffer.path>-env'.")
+    seed: int = 0
+
+
+class CurriculumConfig(_Section):
+    """Which tasks the env runners get (``clawray/curriculum``)."""
+
+    sampler: Literal["uniform", "alp_gmm", "learnability", "accuracy_band"] = "alp_gmm"
+    sampler_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to the sampler (e.g. fit_rate, "
+        "random_task_ratio for alp_gmm; band, patience for accuracy_band).")
+    checkpoint_path: str | None = Field(None, description="JSON state file; restored if present.")
+    checkpoint_every: int = Field(50, ge=0, description="Save every N reported groups; 0: never.")
+
+
+class SFTConfig(_Section):
+    """``clawray sft``: supervised warm start on expert demonstrations (``clawray/sft.py``)."""
+
+    tasks: int = Field(600, ge=1, description="Expert episodes generated for training.")
+    steps: int = Field(300, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(32, ge=1, description="Demonstration steps per optimizer step.")
+    lr: float = Field(1e-3, gt=0)
+    max_difficulty: float = Field(
+        1.0, ge=0, le=1, description="Demonstrations use params up to this fraction of each "
+        "axis of the difficulty box (0: the easiest tasks only).")
+    eval_tasks: int = Field(100, ge=0, description="Held-out tasks scored before and after.")
+    live_samples: str | None = Field(
+        None, description="Also imitate recorded live turns: a sample WAL folder; rows with "
+        "reward > 0 are used.")
+    cache_dir: str = Field("~/.cache/clawray/sft", description="Results are cached here by "
+                           "the hash of the base model and this config.")
     seed: int = 0
 
 
@@ -283,6 +344,11 @@ class ClawRayConfig(_Section):
     judge_cfg: JudgeConfig = Field(default_factory=JudgeConfig, alias="judge")
     buffer_cfg: BufferConfig = Field(default_factory=BufferConfig, alias="buffer")
     training_cfg: TrainingConfig = Field(default_factory=TrainingConfig, alias="training")
+    environments_cfg: EnvironmentsConfig = Field(default_factory=EnvironmentsConfig,
+                                                 alias="environments")
+    curriculum_cfg: CurriculumConfig = Field(default_factory=CurriculumConfig,
+                                             alias="curriculum")
+    sft_cfg: SFTConfig = Field(default_factory=SFTConfig, alias="sft")
 
     # ---- builder methods (one per concern; each returns self) ----
     def model(self, **kwargs: Any) -> "ClawRayConfig":
@@ -311,6 +377,18 @@ class ClawRayConfig(_Section):
 
     def training(self, **kwargs: Any) -> "ClawRayConfig":
         self.training_cfg = _updated(self.training_cfg, kwargs)
+        return self
+
+    def environments(self, **kwargs: Any) -> "ClawRayConfig":
+        self.environments_cfg = _updated(self.environments_cfg, kwargs)
+        return self
+
+    def curriculum(self, **kwargs: Any) -> "ClawRayConfig":
+        self.curriculum_cfg = _updated(self.curriculum_cfg, kwargs)
+        return self
+
+    def sft(self, **kwargs: Any) -> "ClawRayConfig":
+        self.sft_cfg = _updated(self.sft_cfg, kwargs)
         return self
 
     # ---- loading and dumping ----
@@ -375,6 +453,8 @@ class ClawRayConfig(_Section):
                 f"training.batch_size={t.batch_size} is smaller than mini_batches x micro_batches"
                 f" x num_learners = {t.mini_batches * t.micro_batches * t.num_learners}: some "
                 "ranks would never see a sample")
+        if t.mode in ("env", "mixed") and self.environments_cfg.num_runners < 1:
+            problems.append(f"training.mode={t.mode!r} needs environments.num_runners >= 1")
         if problems:
             raise ConfigError("invalid clawray config:\n  - " + "\n  - ".join(problems))
         return self

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: producers and the
 SCHEMA_VERSION = "1"
 _VERSION_KEY = b"clawray.schema_version"
 
-KINDS = frozenset({"rl", "opd", "combine", "rm"})
+KINDS = frozenset({"rl", "opd", "combine", "rm", "sft"})
 SOURCES = frozenset({"live", "env"})
 
 SCHEMA = pa.schema(

@@ -45,6 +45,17 @@ def load_config(path: str | None, app: str | None = None) -> ClawRayConfig:
     return ClawRayConfig.from_dict(data)
 
 
+def apply_sets(cfg: ClawRayConfig, items: list[str]) -> ClawRayConfig:
+    """``--set section.key=value`` overrides (values parsed as YAML)."""
+    for item in items:
+        key, _, value = item.partition("=")
+        section, _, field = key.partition(".")
+        if not (section and field and _):
+            raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        cfg = cfg.copy_with(**{section: {field: yaml.safe_load(value)}})
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m clawray.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,11 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.app)
         if args.app:
             cfg.training(app=args.app)
-        for item in args.set:
-            key, _, value = item.partition("=")
-            section, _, field = key.partition(".")
-            cfg = cfg.copy_with(**{section: {field: yaml.safe_load(value)}})
-        cfg.validate()
+        cfg = apply_sets(cfg, args.set).validate()
     except ConfigError as e:
         print(f"clawray.train: {e}", file=sys.stderr)
         return 2

@@ -4,10 +4,16 @@
 ``restore()``) and as a Tune trainable (``tune.Tuner(Trainer, param_space=cfg.to_dict())``
 runs, checkpoints and sweeps clawray configs). One iteration (``step``)::
 
-    take   ≤ batch_size samples from the app's SampleBuffer (object refs, no copy)
+    take   ≤ batch_size samples from the app's SampleBuffer (object refs, no copy); in ``env``
+           mode from the env runners' buffer, in ``mixed`` mode ``env_fraction`` of the batch
+           from it and the rest from live sessions
     update one LearnerGroup iteration (DeepSpeed ranks read the refs zero-copy)
     sync   publish the new weights; wait until every serving replica runs them
     log    windowed stats (RLlib MetricsLogger), Ray metrics (Prometheus), a JSONL line
+
+In ``env`` and ``mixed`` modes the trainer also runs an ``EnvRunnerGroup`` (runners playing
+GRPO groups against the same app, fed by the ``CurriculumActor``); each iteration replaces dead
+runners and logs their throughput, success rate and the curriculum's metrics (``env_*``).
 
 Serving never pauses for training: replicas swap weights between generation steps, samples
 carry the policy version they came from, and ``buffer.max_staleness`` plus the learner's
@@ -35,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 WINDOW = 20  # iterations in the smoothed (windowed) stats
 LOGGED = ("reward_mean", "loss", "clip_frac", "is_weight_mean", "grad_norm", "tokens_per_s",
-          "staleness_mean")
+          "staleness_mean", "env_success", "env_episodes_per_s")
 
 
 class _Gauges:
@@ -111,6 +117,14 @@ class Trainer(tune.Trainable):
         self.metrics_path = Path(t.metrics_path).expanduser() if t.metrics_path else \
             self.checkpoint_dir / "metrics.jsonl"
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        self.envs = None
+        if t.mode != "live":
+            from clawray.envs.runner import EnvRunnerGroup
+
+            self.envs = EnvRunnerGroup(self.cfg, self.app)
+            self.envs.start()
+            self._env_prev: dict[str, Any] = {}
+            self._env_t = time.perf_counter()
 
     def _ensure_app(self) -> None:
         """Attach to the running Serve app named ``training.app``, or start it."""
@@ -131,8 +145,7 @@ class Trainer(tune.Trainable):
         t = self.cfg.training_cfg
         started = time.perf_counter()
         with self.metrics.log_time("time_take_s", reduce="mean", window=WINDOW):
-            slices = ray.get(self.pipeline.buffer.take.remote(t.batch_size, t.take_timeout_s,
-                                                              t.min_batch))
+            slices = self._take()
         result: dict[str, Any] = {"policy_version": self.version, "samples": 0}
         if slices:
             table = fetch(slices, ray.get)
@@ -145,6 +158,8 @@ class Trainer(tune.Trainable):
                     result.update({f"sync_{k}": v for k, v in self._publish().items()
                                    if k in ("bytes", "seconds", "send_s", "apply_s")})
                 result["policy_version"] = self.version
+        if self.envs is not None:
+            result.update(self._env_stats())
         for key in LOGGED:
             if key in result:
                 self.metrics.log_value(key, result[key], window=WINDOW)
@@ -159,6 +174,50 @@ class Trainer(tune.Trainable):
             self.save_checkpoint(str(self.checkpoint_dir))
         return result
 
+    def _take(self) -> list[Any]:
+        """This iteration's batch (slices of object refs) for the configured mode."""
+        t = self.cfg.training_cfg
+        live = self.pipeline.buffer
+        if t.mode == "live":
+            return ray.get(live.take.remote(t.batch_size, t.take_timeout_s, t.min_batch))
+        env = self.envs.buffer
+        if t.mode == "env":
+            return ray.get(env.take.remote(t.batch_size, t.take_timeout_s, t.min_batch))
+        n_env = round(t.batch_size * t.env_fraction)
+        n_live = t.batch_size - n_env
+        # Each side waits for its share; whichever falls short is topped up from the other.
+        env_ref = env.take.remote(n_env, t.take_timeout_s, 0) if n_env else None
+        live_ref = live.take.remote(n_live, t.take_timeout_s, 0) if n_live else None
+        env_part = ray.get(env_ref) if env_ref else []
+        live_part = ray.get(live_ref) if live_ref else []
+        got = sum(s.length for s in env_part) + sum(s.length for s in live_part)
+        if got < t.batch_size:
+            short = t.batch_size - got
+            extra_from = env if sum(s.length for s in live_part) < n_live else live
+            have = ray.get(extra_from.stats.remote()).get("available", 0)
+            if have:
+                env_part += ray.get(extra_from.take.remote(min(short, have), 0.0, 1))
+        slices = env_part + live_part
+        return slices if sum(s.length for s in slices) >= t.min_batch else []
+
+    def _env_stats(self) -> dict[str, Any]:
+        """Runner replacement, throughput since the last iteration, curriculum metrics."""
+        poll = self.envs.poll()
+        stats = self.envs.stats()
+        now = time.perf_counter()
+        dt = max(now - self._env_t, 1e-9)
+        prev = self._env_prev
+        out: dict[str, Any] = {
+            "env_episodes_per_s": (stats["episodes"] - prev.get("episodes", 0)) / dt,
+            "env_tokens_per_s": (stats["tokens"] - prev.get("tokens", 0)) / dt,
+            "env_success": ((stats["successes"] - prev.get("successes", 0))
+                            / max(stats["episodes"] - prev.get("episodes", 0), 1)),
+            "env_runners": stats["runners"], "env_runner_restarts": stats["runner_restarts"],
+            "env_released_leases": poll["released"], "env_groups": stats["groups"],
+            "env_curriculum": stats["curriculum"]}
+        self._env_prev, self._env_t = stats, now
+        return out
+
     def _publish(self) -> dict[str, Any]:
         """Send version + 1 to serving and wait until every replica runs it."""
         version = self.version + 1
@@ -168,6 +227,8 @@ class Trainer(tune.Trainable):
                     seconds=sent.get("seconds", 0.0) + info["apply_s"])
         self.version = version
         ray.get(self.pipeline.buffer.set_policy_version.remote(version))
+        if self.envs is not None:
+            ray.get(self.envs.buffer.set_policy_version.remote(version))
         return info
 
     def save_checkpoint(self, checkpoint_dir: str) -> dict[str, Any]:
@@ -180,6 +241,8 @@ class Trainer(tune.Trainable):
         buffer = ray.get(self.pipeline.buffer.stats.remote())
         state = {"policy_version": self.version, "updates": self.updates,
                  "buffer_consumed": buffer.get("consumed"), "app": self.app}
+        if self.envs is not None:
+            state["curriculum"] = ray.get(self.envs.curriculum.save.remote())
         self.learner.save(path / "learner", state)
         (path / "trainer.json").write_text(json.dumps(state))
         return state
@@ -199,6 +262,8 @@ class Trainer(tune.Trainable):
         self.restored_state = state
 
     def cleanup(self) -> None:
+        if getattr(self, "envs", None) is not None:
+            self.envs.shutdown()
         self.learner.shutdown()
 
     # ---------------------------------------------------------------- Algorithm-style helpers

@@ -51,6 +51,21 @@ def test_on_policy_loss_is_minus_mean_advantage_and_gradient_matches():
     assert torch.allclose(lp.grad, t(-1 / 3, 2 / 3, -1.0, 0.0))
 
 
+def test_sft_tokens_take_the_nll_without_ratio_clip_or_importance_weight():
+    # Tokens 0-1 are an expert demonstration (NLL), token 2 an rl token (advantage 2).
+    # The rollout log-probs of sft tokens are placeholders (0) and must not matter.
+    lp = t(-1.0, -2.0, -0.5).requires_grad_()
+    rollout = t(0.0, 0.0, -0.5)
+    adv = t(0.0, 0.0, 2.0)
+    sft = torch.tensor([True, True, False])
+    loss, m = policy_loss(lp, rollout, adv, ones_mask(3), torch.tensor([0, 0, 1]), 2,
+                          LossConfig(), sft_mask=sft)
+    loss.backward()
+    assert loss.item() == pytest.approx((1.0 + 2.0 - 2.0) / 3)
+    assert m["sft_nll"] == pytest.approx(1.5)
+    assert torch.allclose(lp.grad, t(-1 / 3, -1 / 3, -2 / 3))
+
+
 def test_asymmetric_clip_bounds_exactly():
     # rollout = -2, u = exp(lp - rollout) = [1.25, 1.3, 0.85, 0.75], A = [+1, +1, -1, -1].
     # A>0: clipped above 1 + 0.28 = 1.28 -> 1.25 kept (loss -1.25), 1.3 clipped (loss -1.28).

@@ -169,8 +169,8 @@ def test_validate_batch_finds_nan_and_bad_mask_rows():
     with pytest.raises(SampleValidationError, match=r"row 3 \(sample s-3\): loss_mask has value 5"):
         validate_batch(_unchecked(rows))
     rows = [row(i) for i in range(3)]
-    rows[1]["kind"] = "sft"
-    with pytest.raises(SampleValidationError, match=r"row 1 \(sample s-1\): kind 'sft'"):
+    rows[1]["kind"] = "dpo"
+    with pytest.raises(SampleValidationError, match=r"row 1 \(sample s-1\): kind 'dpo'"):
         validate_batch(_unchecked(rows))
 
 

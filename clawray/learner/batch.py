@@ -9,7 +9,9 @@ per-token tensor below (``target_ids``, ``rollout_logprobs``, ``advantages``, ``
 Advantages per row (REFERENCE §4): a per-token ``advantages`` column wins, then a scalar
 ``advantage`` (environment rows after integration), then by ``kind``: ``rl`` broadcasts
 ``reward``; ``opd`` uses ``teacher − rollout``; ``combine`` uses ``w_opd·(teacher − rollout) +
-w_rl·reward`` (teacher term 0 where a row has no teacher log-probs).
+w_rl·reward`` (teacher term 0 where a row has no teacher log-probs). ``sft`` rows (expert
+demonstrations) are trained by negative log-likelihood instead (``PackedBatch.sft``); their
+advantage is 0 and unused.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class PackedBatch:
     rollout_logprobs: Tensor  # [N] float32: the engine's (behaviour) log-probs
     advantages: Tensor  # [N] float32
     num_seqs: int
+    sft: Tensor | None = None  # [N] bool: tokens of ``sft`` rows (NLL), None when there are none
 
     @property
     def num_tokens(self) -> int:
@@ -120,6 +123,8 @@ def advantages_of(data: pa.Table, cfg: LossConfig) -> Tensor:
             out[a:b] = float(scalar[i])
         elif kind == "rl":
             out[a:b] = float(rewards[i])
+        elif kind == "sft":
+            continue  # trained by NLL (PackedBatch.sft), not by an advantage
         elif kind in ("opd", "combine"):
             t = None if teacher[i] is None else torch.from_numpy(teacher[i])
             if kind == "opd":
@@ -133,7 +138,7 @@ def advantages_of(data: pa.Table, cfg: LossConfig) -> Tensor:
                 out[a:b] = combine_advantages(old[a:b], r, cfg, t)
         else:
             raise SampleValidationError(
-                f"row {i}: the learner cannot train on kind {kind!r} (rl, opd, combine)")
+                f"row {i}: the learner cannot train on kind {kind!r} (rl, opd, combine, sft)")
     return out
 
 
@@ -171,6 +176,7 @@ def make_batch(data: pa.Table | pa.RecordBatch, cfg: LossConfig) -> PackedBatch:
     rollout = pack_column(data, "rollout_logprobs").values.to(torch.float32)
     loss_mask = seqs.loss_mask[response_pos].bool() if seqs.loss_mask is not None else \
         torch.ones(response_pos.numel(), dtype=torch.bool)
+    is_sft = torch.tensor([k == "sft" for k in data.column("kind").to_pylist()], dtype=torch.bool)
     return PackedBatch(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -182,6 +188,7 @@ def make_batch(data: pa.Table | pa.RecordBatch, cfg: LossConfig) -> PackedBatch:
         rollout_logprobs=rollout,
         advantages=advantages_of(data, cfg),
         num_seqs=data.num_rows,
+        sft=is_sft[seq_index] if bool(is_sft.any()) else None,
     )
 
 

@@ -43,7 +43,8 @@ from clawray.samples import pack_column
 logger = logging.getLogger(__name__)
 
 # Metrics that are token-weighted means within a rank (combined across ranks by token count).
-TOKEN_MEANS = ("clip_frac", "ratio_mean", "is_weight_mean", "is_truncated_frac", "kl", "entropy")
+TOKEN_MEANS = ("clip_frac", "ratio_mean", "is_weight_mean", "is_truncated_frac", "kl", "entropy",
+               "sft_nll")
 MAXES = ("ratio_max", "is_weight_max")
 
 
@@ -241,7 +242,8 @@ class LearnerCore:
                         lp, pb.rollout_logprobs.to(lp.device), pb.advantages.to(lp.device),
                         pb.mask.to(lp.device), pb.seq_index.to(lp.device), pb.num_seqs,
                         self.loss_cfg, proximal_logprobs=prox if prox is not None else lp.detach(),
-                        ref_logprobs=self._reference_logprobs(pb), entropy=ent, norm=float(norm))
+                        ref_logprobs=self._reference_logprobs(pb), entropy=ent, norm=float(norm),
+                        sft_mask=None if pb.sft is None else pb.sft.to(lp.device))
                     n = metrics["tokens"]
                     acc["loss"] += metrics["loss"]
                     acc["pg_loss"] += metrics["pg_loss"]

@@ -144,8 +144,8 @@ def _clean(x: Tensor, m: Tensor, fill: float = 0.0) -> Tensor:
 def policy_loss(logprobs: Tensor, rollout_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                 seq_index: Tensor, num_seqs: int, cfg: LossConfig,
                 proximal_logprobs: Tensor | None = None, ref_logprobs: Tensor | None = None,
-                entropy: Tensor | None = None,
-                norm: float | None = None) -> tuple[Tensor, dict[str, float]]:
+                entropy: Tensor | None = None, norm: float | None = None,
+                sft_mask: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """Decoupled PPO loss (AReaL) with asymmetric clip, truncated IS, optional k3 KL and entropy.
 
     ``rollout_logprobs`` are the engine's behaviour log-probs, never recomputed. The clip is
@@ -163,7 +163,9 @@ def policy_loss(logprobs: Tensor, rollout_logprobs: Tensor, advantages: Tensor, 
     The KL term needs ``ref_logprobs`` only when ``kl_coef > 0`` (otherwise they are ignored and
     no reference model need be loaded). Aggregation follows ``cfg.agg`` (see ``aggregate``).
     Metrics are token means over masked-in tokens; ``is_weight_*`` are the applied weights.
-    ``norm`` is passed to ``aggregate`` (micro-batches of a larger batch).
+    ``norm`` is passed to ``aggregate`` (micro-batches of a larger batch). Tokens where
+    ``sft_mask`` is true (expert demonstrations) take the negative log-likelihood ``-logprobs``
+    instead of the policy-gradient term (no ratio, clip or importance weight).
     """
     m = _check_tokens(mask, seq_index, num_seqs, logprobs=logprobs,
                       rollout_logprobs=rollout_logprobs, advantages=advantages,
@@ -186,8 +188,13 @@ def policy_loss(logprobs: Tensor, rollout_logprobs: Tensor, advantages: Tensor, 
     raw_w = torch.exp(prox - behav)
     weight = raw_w if cfg.tis_cap is None else raw_w.clamp(max=cfg.tis_cap)
     pg = -weight * surrogate
-    per_token = pg
     metrics: dict[str, float] = {}
+    if sft_mask is not None:
+        sft = sft_mask.to(m.device) & m
+        pg = torch.where(sft, -lp, pg)
+        if bool(sft.any()):
+            metrics["sft_nll"] = masked_mean(-lp, sft).item()
+    per_token = pg
 
     if cfg.kl_coef > 0:
         # Clamped like verl's low_var_kl: k3 grows as exp(ref - cur), so one token the policy

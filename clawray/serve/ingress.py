@@ -21,6 +21,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clawray.config import ClawRayConfig
+from clawray.inference.engine import SamplingParams, TokenOutput
 from clawray.models.loader import load_tokenizer
 from clawray.records import RecordSink, TeeSink, make_sink
 from clawray.serve.auth import KeyChecker
@@ -229,6 +230,11 @@ class Ingress:
         if self._core.core is None:
             raise RuntimeError("split layout: ask the PolicyServer deployment")
         return await self._core.core.prompt_logprobs(prompt_ids, response_ids)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[TokenOutput]:
+        """Token-in/token-out generation for env runners (colocated or split alike); these
+        turns are not recorded as live samples: runners write their own rows."""
+        return await self._core.service.policy.generate(prompt_ids, params)
 
     def collecting(self) -> bool:
         return self._core.collecting()

@@ -1,0 +1,140 @@
+"""Playing episodes against a token-in/token-out policy, and turning GRPO groups into rows.
+
+No Ray here: ``play_episode`` takes any ``generate(prompt_ids, params) -> TokenOutput``
+coroutine (a Serve handle in ``EnvRunner``, an in-process engine in ``clawray sft``'s
+evaluation and in tests), so the episode logic is testable in milliseconds.
+
+Token exactness: each step's prompt is the chat template applied to the whole history so far
+(with the env's tools), encoded once; the response ids and log-probs are the engine's own. The
+model's text is decoded from those ids and parsed into an ``Action`` exactly as serving parses
+a completion (``<tool_call>`` blocks become tool calls). Each step becomes one sample row whose
+prompt is the full history (RLAnything's convention).
+
+GRPO (outcome reward): a task's G rollouts form a group; every step of rollout ``k`` gets the
+advantage ``(r_k - mean(r)) / std(r)`` (population std; a group whose rewards are all equal
+gets 0 everywhere: it carries no signal). Rewards are 1 for success and 0 for failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any, Awaitable, Callable, Sequence
+
+import numpy as np
+
+from clawray.envs.base import Task, TaskFamily
+from clawray.inference.engine import SamplingParams, TokenOutput
+from clawray.samples import make_row
+
+Generate = Callable[[list[int], SamplingParams], Awaitable[TokenOutput]]
+STD_EPS = 1e-6
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One agent step: the exact ids in and out, what the env made of it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    policy_version: int
+    policy_version_end: int | None
+    finish_reason: str
+    text: str
+    valid: bool
+    progress: bool
+
+
+@dataclasses.dataclass
+class Episode:
+    """A finished episode (``ended`` says why: "done", "budget", "context" or "max_steps")."""
+
+    task: Task
+    trajectory_id: str
+    steps: list[StepRecord]
+    success: bool
+    ended: str
+    messages: list[dict[str, Any]]
+
+    @property
+    def reward(self) -> float:
+        return 1.0 if self.success else 0.0
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.response_ids) for s in self.steps)
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, Any]],
+                  tools: list[dict[str, Any]] | None) -> list[int]:
+    """The prompt ids serving would build for this history (chat template, then encode)."""
+    text = tokenizer.apply_chat_template(messages, tools=tools or None,
+                                         add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def play_episode(family: TaskFamily, task: Task, generate: Generate, tokenizer: Any,
+                       params: SamplingParams, max_steps: int = 50,
+                       max_prompt_tokens: int | None = None,
+                       trajectory_id: str | None = None) -> Episode:
+    """Play ``task`` to the end with the policy behind ``generate``."""
+    env = family.make_env()
+    messages = env.reset(task)
+    tools = getattr(env, "tools", None) or family.tools
+    steps: list[StepRecord] = []
+    traj = trajectory_id or uuid.uuid4().hex
+    for _ in range(max_steps):
+        prompt = render_prompt(tokenizer, messages, tools)
+        if max_prompt_tokens is not None and len(prompt) > max_prompt_tokens:
+            return Episode(task, traj, steps, False, "context", messages)
+        out = await generate(prompt, params)
+        text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        action = env.as_action(text)
+        result = env.step(action)
+        steps.append(StepRecord(prompt, list(out.token_ids), list(out.logprobs),
+                                out.policy_version, out.policy_version_end, out.finish_reason,
+                                text, result.valid, result.progress))
+        messages = messages + [action.message()] + result.messages
+        if result.done:
+            ended = "done" if result.success else str(result.info.get("ended", "budget"))
+            return Episode(task, traj, steps, bool(result.success), ended, messages)
+    return Episode(task, traj, steps, False, "max_steps", messages)
+
+
+def grpo_advantages(rewards: Sequence[float]) -> list[float]:
+    """``(r - mean) / std`` over one group (population std); all-equal rewards give 0."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.size == 0:
+        return []
+    std = r.std()
+    if std < STD_EPS:
+        return [0.0] * r.size
+    return ((r - r.mean()) / std).tolist()
+
+
+def group_rows(episodes: Sequence[Episode], zero_advantage: str = "keep_masked",
+               source: str = "env") -> list[dict[str, Any]]:
+    """Sample rows of one GRPO group (every episode of one task), in episode and step order.
+
+    Zero-advantage groups are kept with loss mask 0 (``keep_masked``: written, never trained)
+    or left out (``drop``)."""
+    advantages = grpo_advantages([e.reward for e in episodes])
+    if zero_advantage == "drop" and not any(advantages):
+        return []
+    now = time.time()
+    rows = []
+    for ep, adv in zip(episodes, advantages):
+        outcome = 1 if ep.success else -1
+        for i, st in enumerate(ep.steps):
+            rows.append(make_row(
+                sample_id=f"{ep.trajectory_id}/{i}", kind="rl", source=source,
+                trajectory_id=ep.trajectory_id, task_id=ep.task.task_id, step=i,
+                prompt_ids=st.prompt_ids, response_ids=st.response_ids,
+                rollout_logprobs=st.logprobs, policy_version=st.policy_version,
+                policy_version_end=st.policy_version_end,
+                loss_mask=[1 if adv != 0 else 0] * len(st.response_ids),
+                reward=ep.reward, outcome=outcome, advantage=float(adv),
+                finish_reason=st.finish_reason, created_at=now))
+    return rows

@@ -1,0 +1,214 @@
+"""``clawray sft``: a supervised warm start on expert demonstrations, through the DeepSpeed learner.
+
+RL on a model that never succeeds has nothing to reinforce (every GRPO group scores 0 and
+carries no signal). So before environment RL, the policy imitates the family's expert solver:
+
+1. ``sft.tasks`` tasks are generated (seeded, params up to ``sft.max_difficulty`` of the box)
+   and played by the expert (``envs.demonstrate``); each step becomes an ``sft`` row whose
+   prompt is the chat-templated history (exactly what a runner will send) and whose response
+   is the expert action's text followed by ``<|im_end|>``. Recorded live turns with reward > 0
+   can be added (``sft.live_samples``).
+2. ``LearnerCore`` (the same DeepSpeed learner RL uses) trains ``sft.steps`` steps of
+   ``sft.batch_size`` rows by negative log-likelihood (row kind ``sft``).
+3. The result is saved as a model folder (weights + the base model's tokenizer and config),
+   cached under ``sft.cache_dir`` by the hash of the base model and every setting that changes
+   the result: a second run with the same config returns the folder at once.
+4. Held-out tasks (``sft.eval_tasks``, a different seed) are played greedily by the base and the
+   warm-started model through clawray's own engine; both success rates are reported.
+
+Point ``model.path`` at the printed folder to serve and train from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clawray.config import ClawRayConfig
+from clawray.envs import TaskFamily, demonstrate, make_family
+from clawray.envs.base import Task
+from clawray.envs.rollout import play_episode, render_prompt
+from clawray.models.chat_template import IM_END
+from clawray.samples import make_row, rows_to_batch
+
+logger = logging.getLogger(__name__)
+RECIPE = "1"  # bump when the rows or the training recipe change
+INFO = "clawray_sft.json"
+
+
+@dataclasses.dataclass
+class SFTResult:
+    path: Path
+    cached: bool
+    info: dict[str, Any]
+
+
+def demo_tasks(family: TaskFamily, n: int, max_difficulty: float, seed: int) -> list[Task]:
+    """``n`` seeded tasks with params in the lower ``max_difficulty`` share of each axis."""
+    rng = random.Random(seed)
+    low, high = family.low, family.high
+    top = low + (high - low) * max_difficulty
+    return [family.generate([rng.uniform(a, b) for a, b in zip(low, top)], rng.randrange(2**31))
+            for _ in range(n)]
+
+
+def expert_rows(family: TaskFamily, tasks: list[Task], tokenizer: Any) -> list[dict[str, Any]]:
+    """One ``sft`` row per expert step (prompt = history as a runner renders it)."""
+    end = tokenizer.convert_tokens_to_ids(IM_END)
+    rows = []
+    for t, task in enumerate(tasks):
+        demo = demonstrate(family, task)
+        if not demo.success:
+            raise RuntimeError(f"{family.name}: the expert failed {task.task_id}")
+        env = family.make_env()
+        env.reset(task)
+        tools = getattr(env, "tools", None) or family.tools
+        for i, (history, action) in enumerate(demo.steps):
+            response = tokenizer.encode(action.text(), add_special_tokens=False) + [end]
+            rows.append(make_row(
+                sample_id=f"sft/{task.task_id}/{t}/{i}", kind="sft", source="env",
+                trajectory_id=f"expert-{t}", task_id=task.task_id, step=i,
+                prompt_ids=render_prompt(tokenizer, history, tools), response_ids=response,
+                rollout_logprobs=[0.0] * len(response), policy_version=0,
+                loss_mask=[1] * len(response), reward=1.0, outcome=1))
+    return rows
+
+
+def live_rows(path: str) -> list[dict[str, Any]]:
+    """Recorded live turns with a positive reward, as ``sft`` rows."""
+    import pyarrow.dataset as ds
+
+    table = ds.dataset(Path(path).expanduser(), format="parquet").to_table()
+    out = []
+    for r in table.to_pylist():
+        if r["reward"] > 0 and r["kind"] in ("rl", "combine") and sum(r["loss_mask"]):
+            out.append(make_row(**{**r, "sample_id": f"sft/{r['sample_id']}", "kind": "sft",
+                                   "advantage": None, "advantages": None}))
+    return out
+
+
+def _files_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(path.iterdir()):
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    return h.hexdigest()
+
+
+def sft_key(base: Path, cfg: ClawRayConfig) -> str:
+    """Hash of what determines the result: base model files, family, SFT and learner settings."""
+    e, t = cfg.environments_cfg, cfg.training_cfg
+    parts = {"recipe": RECIPE, "base": _files_digest(base), "family": e.family,
+             "family_kwargs": e.family_kwargs,
+             "sft": cfg.sft_cfg.model_dump(exclude={"cache_dir", "eval_tasks"}),
+             "learner": {"zero_stage": t.zero_stage, "max_pack_tokens": t.max_pack_tokens,
+                         "grad_clip": t.grad_clip, "betas": list(t.betas)}}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def evaluate_model(path: Path, cfg: ClawRayConfig, tasks: list[Task],
+                   temperature: float = 0.0) -> float:
+    """Success rate of the model at ``path`` on ``tasks`` (one episode each, clawray's engine)."""
+    from clawray.inference.engine import SamplingParams
+    from clawray.inference.factory import make_engine
+    from clawray.models.loader import ModelInfo, load_tokenizer
+
+    family = make_family(cfg.environments_cfg.family, **cfg.environments_cfg.family_kwargs)
+    tokenizer = load_tokenizer(path)
+    e = cfg.environments_cfg
+    params = SamplingParams(max_tokens=e.max_tokens, temperature=temperature, seed=0)
+
+    async def main() -> list[bool]:
+        engine = make_engine(cfg.model_cfg, cfg.inference_cfg, ModelInfo.from_path(path))
+        try:
+            async def gen(ids: list[int], p: SamplingParams) -> Any:
+                return (await engine.generate(ids, p))[0]
+            eps = await asyncio.gather(*(play_episode(family, t, gen, tokenizer, params,
+                                                      e.max_steps) for t in tasks))
+            return [ep.success for ep in eps]
+        finally:
+            await engine.shutdown()
+
+    results = asyncio.run(main())
+    return float(np.mean(results)) if results else float("nan")
+
+
+def run_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True) -> SFTResult:
+    """Warm-start the configured model on expert demonstrations (cached; see module doc)."""
+    from clawray.models.loader import load_tokenizer
+    from clawray.serve.policy_server import policy_model_info
+
+    s = cfg.sft_cfg
+    base = Path(policy_model_info(cfg).path)
+    key = sft_key(base, cfg)
+    out = Path(s.cache_dir).expanduser() / f"sft-{key}"
+    if (out / INFO).is_file() and not force:
+        return SFTResult(out, True, json.loads((out / INFO).read_text()))
+    family = make_family(cfg.environments_cfg.family, **cfg.environments_cfg.family_kwargs)
+    tokenizer = load_tokenizer(base)
+    t0 = time.perf_counter()
+    rows = expert_rows(family, demo_tasks(family, s.tasks, s.max_difficulty, s.seed), tokenizer)
+    if s.live_samples:
+        rows += live_rows(s.live_samples)
+    history = _train(base, cfg, rows, progress)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".sft-{key}-", dir=out.parent))
+    for f in base.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin")):
+            shutil.copy2(f, tmp / f.name)
+    history["model"].save_pretrained(tmp)
+    held_out = demo_tasks(family, s.eval_tasks, s.max_difficulty, s.seed + 1_000_003)
+    info = {"key": key, "base": str(base), "family": family.name, "rows": len(rows),
+            "demo_tasks": s.tasks, "steps": s.steps, "nll_first": history["nll"][0],
+            "nll_last": history["nll"][-1], "train_s": time.perf_counter() - t0,
+            "config": s.model_dump()}
+    if held_out:
+        info["eval_tasks"] = len(held_out)
+        info["success_before"] = evaluate_model(base, cfg, held_out)
+        info["success_after"] = evaluate_model(tmp, cfg, held_out)
+    (tmp / INFO).write_text(json.dumps(info, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return SFTResult(out, False, info)
+
+
+def _train(base: Path, cfg: ClawRayConfig, rows: list[dict[str, Any]],
+           progress: bool) -> dict[str, Any]:
+    """``sft.steps`` NLL steps on random batches of ``rows`` with one DeepSpeed rank."""
+    import pyarrow as pa
+    from tqdm.auto import tqdm
+
+    from clawray.learner.learner import LearnerCore, init_distributed
+    from clawray.learner.group import _free_port
+
+    s = cfg.sft_cfg
+    t = cfg.training_cfg.model_copy(update={
+        "lr": s.lr, "mini_batches": 1, "micro_batches": 1, "num_learners": 1, "lora_rank": 0,
+        "seed": s.seed, "loss": cfg.training_cfg.loss.model_copy(update={"kl_coef": 0.0})})
+    init_distributed(0, 1, "127.0.0.1", _free_port("127.0.0.1"))
+    learner = LearnerCore(base, t)
+    table = pa.Table.from_batches([rows_to_batch(rows)])
+    rng = np.random.default_rng(s.seed)
+    nll: list[float] = []
+    with tqdm(total=s.steps, disable=not progress, desc="clawray sft", unit="step") as bar:
+        for _ in range(s.steps):
+            idx = rng.choice(table.num_rows, size=min(s.batch_size, table.num_rows),
+                             replace=False)
+            m = learner.update(table.take(pa.array(np.sort(idx))))
+            nll.append(float(m["loss"]))
+            bar.set_postfix(nll=f"{nll[-1]:.3f}", refresh=False)
+            bar.update(1)
+    return {"model": learner.module, "nll": nll}

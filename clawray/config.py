@@ -280,6 +280,9 @@ class EnvironmentsConfig(_Section):
     family: str = Field("household", description="'household', 'tool_use', 'gym:<env id>' or "
                         "an import path 'package.module:attr' to a TaskFamily.")
     family_kwargs: dict[str, Any] = Field(default_factory=dict)
+    runtime_env: dict[str, Any] | None = Field(
+        None, description="Ray runtime_env of the runners and the curriculum actor (e.g. "
+        "py_modules or env_vars PYTHONPATH so they can import your own environment).")
     num_runners: int = Field(1, ge=0, description="EnvRunner actors (0: no env rollouts).")
     runner_num_cpus: float = Field(0.5, ge=0)
     concurrency: int = Field(4, ge=1, description="GRPO groups each runner plays at once.")
@@ -292,6 +295,9 @@ class EnvironmentsConfig(_Section):
     max_prompt_tokens: int | None = Field(
         None, ge=16, description="End an episode (as a failure) when its history outgrows "
         "this; default: the model's context minus max_tokens.")
+    history_window: int | None = Field(
+        None, ge=0, description="Past exchanges shown in each step's prompt; null: the full "
+        "history. 0 suits environments whose every observation describes the whole state.")
     zero_advantage: Literal["keep_masked", "drop"] = Field(
         "keep_masked", description="Groups whose rollouts all scored the same carry no GRPO "
         "signal: keep their rows with loss mask 0 (logged, not trained) or drop them.")

@@ -38,7 +38,7 @@ import numpy as np
 from clawray.config import ClawRayConfig
 from clawray.envs import TaskFamily, demonstrate, make_family
 from clawray.envs.base import Task
-from clawray.envs.rollout import play_episode, render_prompt
+from clawray.envs.rollout import context_messages, play_episode, render_prompt
 from clawray.models.chat_template import IM_END
 from clawray.samples import make_row, rows_to_batch
 
@@ -63,7 +63,8 @@ def demo_tasks(family: TaskFamily, n: int, max_difficulty: float, seed: int) -> 
             for _ in range(n)]
 
 
-def expert_rows(family: TaskFamily, tasks: list[Task], tokenizer: Any) -> list[dict[str, Any]]:
+def expert_rows(family: TaskFamily, tasks: list[Task], tokenizer: Any,
+                history_window: int | None = None) -> list[dict[str, Any]]:
     """One ``sft`` row per expert step (prompt = history as a runner renders it)."""
     end = tokenizer.convert_tokens_to_ids(IM_END)
     rows = []
@@ -79,7 +80,9 @@ def expert_rows(family: TaskFamily, tasks: list[Task], tokenizer: Any) -> list[d
             rows.append(make_row(
                 sample_id=f"sft/{task.task_id}/{t}/{i}", kind="sft", source="env",
                 trajectory_id=f"expert-{t}", task_id=task.task_id, step=i,
-                prompt_ids=render_prompt(tokenizer, history, tools), response_ids=response,
+                prompt_ids=render_prompt(tokenizer, context_messages(history, history_window),
+                                         tools),
+                response_ids=response,
                 rollout_logprobs=[0.0] * len(response), policy_version=0,
                 loss_mask=[1] * len(response), reward=1.0, outcome=1))
     return rows
@@ -111,7 +114,7 @@ def sft_key(base: Path, cfg: ClawRayConfig) -> str:
     """Hash of what determines the result: base model files, family, SFT and learner settings."""
     e, t = cfg.environments_cfg, cfg.training_cfg
     parts = {"recipe": RECIPE, "base": _files_digest(base), "family": e.family,
-             "family_kwargs": e.family_kwargs,
+             "family_kwargs": e.family_kwargs, "history_window": e.history_window,
              "sft": cfg.sft_cfg.model_dump(exclude={"cache_dir", "eval_tasks"}),
              "learner": {"zero_stage": t.zero_stage, "max_pack_tokens": t.max_pack_tokens,
                          "grad_clip": t.grad_clip, "betas": list(t.betas)}}
@@ -135,8 +138,9 @@ def evaluate_model(path: Path, cfg: ClawRayConfig, tasks: list[Task],
         try:
             async def gen(ids: list[int], p: SamplingParams) -> Any:
                 return (await engine.generate(ids, p))[0]
-            eps = await asyncio.gather(*(play_episode(family, t, gen, tokenizer, params,
-                                                      e.max_steps) for t in tasks))
+            eps = await asyncio.gather(*(play_episode(
+                family, t, gen, tokenizer, params, e.max_steps,
+                history_window=e.history_window) for t in tasks))
             return [ep.success for ep in eps]
         finally:
             await engine.shutdown()
@@ -159,7 +163,8 @@ def run_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True) -> S
     family = make_family(cfg.environments_cfg.family, **cfg.environments_cfg.family_kwargs)
     tokenizer = load_tokenizer(base)
     t0 = time.perf_counter()
-    rows = expert_rows(family, demo_tasks(family, s.tasks, s.max_difficulty, s.seed), tokenizer)
+    rows = expert_rows(family, demo_tasks(family, s.tasks, s.max_difficulty, s.seed), tokenizer,
+                       cfg.environments_cfg.history_window)
     if s.live_samples:
         rows += live_rows(s.live_samples)
     history = _train(base, cfg, rows, progress)

@@ -73,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.app)
         if args.app:
             cfg.training(app=args.app)
-        cfg = apply_sets(cfg, args.set).validate()
+        cfg = apply_sets(cfg, args.set)
+        saved_curriculum = Path(args.restore or "", "curriculum.json")
+        if args.restore and saved_curriculum.is_file() and not cfg.curriculum_cfg.checkpoint_path:
+            cfg.curriculum(checkpoint_path=str(saved_curriculum))
+        cfg.validate()
     except ConfigError as e:
         print(f"clawray.train: {e}", file=sys.stderr)
         return 2

@@ -242,7 +242,9 @@ class Trainer(tune.Trainable):
         state = {"policy_version": self.version, "updates": self.updates,
                  "buffer_consumed": buffer.get("consumed"), "app": self.app}
         if self.envs is not None:
-            state["curriculum"] = ray.get(self.envs.curriculum.save.remote())
+            # Resume it with curriculum.checkpoint_path (``clawray.train --restore`` does).
+            state["curriculum"] = ray.get(self.envs.curriculum.save.remote(
+                str(path / "curriculum.json")))
         self.learner.save(path / "learner", state)
         (path / "trainer.json").write_text(json.dumps(state))
         return state

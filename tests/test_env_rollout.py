@@ -145,3 +145,29 @@ def test_sft_rows_are_the_expert_actions_with_end_of_turn(tiny_tokenizer):
     env.reset(tasks[0])
     assert text == env.expert_action().text()
     assert demo_tasks(family, 3, 0.5, seed=0) == tasks  # seeded
+
+
+def test_a_history_window_keeps_the_system_message_and_the_last_exchanges():
+    from clawray.envs.rollout import context_messages
+
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u0"},
+            {"role": "assistant", "content": "a0"}, {"role": "user", "content": "u1"},
+            {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]
+    assert context_messages(msgs, None) == msgs
+    assert [m["content"] for m in context_messages(msgs, 0)] == ["s", "u2"]
+    assert [m["content"] for m in context_messages(msgs, 1)] == ["s", "u1", "a1", "u2"]
+    assert context_messages(msgs, 5) == msgs
+    tool = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "tool_calls": []},
+            {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
+    assert [m["content"] for m in context_messages(tool, 0)] == ["s", "1", "2"]
+
+
+def test_windowed_prompts_grow_no_longer_than_one_observation(tiny_tokenizer):
+    family = make_family("household")
+    task = family.generate([0.5] * 4, seed=4)
+    gen = expert_policy(family, task, tiny_tokenizer)
+    ep = asyncio.run(play_episode(family, task, gen, tiny_tokenizer, PARAMS, history_window=0))
+    assert ep.success
+    lengths = [len(s.prompt_ids) for s in ep.steps]
+    assert max(lengths) < 2 * min(lengths)

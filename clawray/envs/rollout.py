@@ -4,11 +4,14 @@ No Ray here: ``play_episode`` takes any ``generate(prompt_ids, params) -> TokenO
 coroutine (a Serve handle in ``EnvRunner``, an in-process engine in ``clawray sft``'s
 evaluation and in tests), so the episode logic is testable in milliseconds.
 
-Token exactness: each step's prompt is the chat template applied to the whole history so far
-(with the env's tools), encoded once; the response ids and log-probs are the engine's own. The
+Token exactness: each step's prompt is the chat template applied to the history so far (with
+the env's tools), encoded once; the response ids and log-probs are the engine's own. The
 model's text is decoded from those ids and parsed into an ``Action`` exactly as serving parses
 a completion (``<tool_call>`` blocks become tool calls). Each step becomes one sample row whose
-prompt is the full history (RLAnything's convention).
+prompt is the full history (RLAnything's convention), or, with ``history_window=k``, the system
+message and the last ``k`` exchanges before the current observation: for environments whose
+observations are Markov (household re-describes the whole state every step) ``k = 0`` keeps
+prompts short and the decision in plain sight, which a small model needs.
 
 GRPO (outcome reward): a task's G rollouts form a group; every step of rollout ``k`` gets the
 advantage ``(r_k - mean(r)) / std(r)`` (population std; a group whose rewards are all equal
@@ -67,6 +70,23 @@ class Episode:
         return sum(len(s.response_ids) for s in self.steps)
 
 
+def context_messages(messages: list[dict[str, Any]], window: int | None) -> list[dict[str, Any]]:
+    """The messages a step's prompt shows: all (``window=None``), or the leading system
+    messages plus the last ``window`` assistant turns and what followed each, and the
+    environment's latest messages."""
+    if window is None:
+        return messages
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] == "system":
+        lead += 1
+    tail = messages[lead:]
+    turns = [i for i, m in enumerate(tail) if m["role"] == "assistant"]
+    if window < len(turns):
+        start = turns[len(turns) - window - 1] + 1  # just after the dropped assistant turn
+        tail = tail[start:]
+    return messages[:lead] + tail
+
+
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]],
                   tools: list[dict[str, Any]] | None) -> list[int]:
     """The prompt ids serving would build for this history (chat template, then encode)."""
@@ -78,7 +98,8 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]],
 async def play_episode(family: TaskFamily, task: Task, generate: Generate, tokenizer: Any,
                        params: SamplingParams, max_steps: int = 50,
                        max_prompt_tokens: int | None = None,
-                       trajectory_id: str | None = None) -> Episode:
+                       trajectory_id: str | None = None,
+                       history_window: int | None = None) -> Episode:
     """Play ``task`` to the end with the policy behind ``generate``."""
     env = family.make_env()
     messages = env.reset(task)
@@ -86,7 +107,7 @@ async def play_episode(family: TaskFamily, task: Task, generate: Generate, token
     steps: list[StepRecord] = []
     traj = trajectory_id or uuid.uuid4().hex
     for _ in range(max_steps):
-        prompt = render_prompt(tokenizer, messages, tools)
+        prompt = render_prompt(tokenizer, context_messages(messages, history_window), tools)
         if max_prompt_tokens is not None and len(prompt) > max_prompt_tokens:
             return Episode(task, traj, steps, False, "context", messages)
         out = await generate(prompt, params)

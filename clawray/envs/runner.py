@@ -86,7 +86,8 @@ class EnvRunner:
         e = self.env_cfg
         return list(await asyncio.gather(*(
             play_episode(self.family, task, self._generate, self.tokenizer, params,
-                         e.max_steps, self.max_prompt) for _ in range(n))))
+                         e.max_steps, self.max_prompt, history_window=e.history_window)
+            for _ in range(n))))
 
     async def _one_group(self) -> bool:
         leases = await self.curriculum.lease.remote(self.runner_id, 1)
@@ -186,7 +187,8 @@ class EnvRunnerGroup:
             names["curriculum"], namespace=NAMESPACE, family_name=e.family,
             family_kwargs=e.family_kwargs, sampler=c.sampler,
             sampler_kwargs={"seed": e.seed, **c.sampler_kwargs},
-            checkpoint_path=c.checkpoint_path, checkpoint_every=c.checkpoint_every)
+            checkpoint_path=c.checkpoint_path, checkpoint_every=c.checkpoint_every,
+            runtime_env=e.runtime_env)
         ray.get(self.buffer.ping.remote())
         self.runners: dict[str, Any] = {}
         self.runs: dict[str, Any] = {}
@@ -201,7 +203,8 @@ class EnvRunnerGroup:
         self._next += 1
         self.runners[rid] = EnvRunner.options(
             num_cpus=self.cfg.environments_cfg.runner_num_cpus, scheduling_strategy="SPREAD",
-            max_restarts=0).remote(self.cfg.to_dict(), self.app, rid)
+            max_restarts=0, runtime_env=self.cfg.environments_cfg.runtime_env,
+        ).remote(self.cfg.to_dict(), self.app, rid)
         return rid
 
     def start(self, max_groups: int | None = None) -> None:

@@ -5,6 +5,7 @@
     clawray demo                  # serve + train from simulated users; the model visibly learns
     clawray replay                # serve the embedded default and replay an OpenClaw session
     clawray sft [-c cfg.yaml]     # warm-start the policy on expert demos (cached), print its folder
+    clawray env-demo              # sft + GRPO on household tasks with a curriculum, before/after
     clawray samples stats PATH    # the sample log: counts, rewards; `samples head PATH -n 5`
 """
 
@@ -76,6 +77,14 @@ def cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_env_demo(args: argparse.Namespace) -> int:
+    from clawray.env_demo import run_env_demo
+
+    cfg = _config(args)
+    return run_env_demo(cfg, Path(args.out), iterations=args.iterations, eval_n=args.eval_n,
+                        seed=args.seed)
+
+
 def _prebuild(cfg: ClawRayConfig) -> None:
     """Build the embedded model in this process, with progress, before replicas need it."""
     if cfg.model_cfg.path.startswith("embedded:"):
@@ -105,12 +114,19 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_sft)
     for name, fn, help_ in (("serve", cmd_serve, "serve the policy model"),
                             ("demo", cmd_demo, "serve + train from simulated users"),
-                            ("replay", cmd_replay, "serve + replay an OpenClaw session")):
+                            ("replay", cmd_replay, "serve + replay an OpenClaw session"),
+                            ("env-demo", cmd_env_demo, "sft + GRPO on household tasks")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("-c", "--config", help="clawray YAML config")
         p.add_argument("--port", type=int, help="HTTP port (default from config: 8000)")
-        if name in ("demo", "replay"):
+        if name in ("demo", "replay", "env-demo"):
             p.add_argument("--out", default=f"{name}-output", help="where results go")
+        if name == "env-demo":
+            from clawray.env_demo import EVAL_N, ITERATIONS as ENV_ITERATIONS
+
+            p.add_argument("--iterations", type=int, default=ENV_ITERATIONS)
+            p.add_argument("--eval-n", type=int, default=EVAL_N)
+            p.add_argument("--seed", type=int, default=0)
         if name == "demo":
             from clawray.demo import ITERATIONS, SEED, USERS
 

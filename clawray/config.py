@@ -298,6 +298,9 @@ class EnvironmentsConfig(_Section):
     history_window: int | None = Field(
         None, ge=0, description="Past exchanges shown in each step's prompt; null: the full "
         "history. 0 suits environments whose every observation describes the whole state.")
+    step_weighting: Literal["step", "trajectory"] = Field(
+        "step", description="'trajectory' scales each step's GRPO advantage by mean steps / "
+        "its episode's steps, so long failed episodes do not outweigh short successes.")
     zero_advantage: Literal["keep_masked", "drop"] = Field(
         "keep_masked", description="Groups whose rollouts all scored the same carry no GRPO "
         "signal: keep their rows with loss mask 0 (logged, not trained) or drop them.")

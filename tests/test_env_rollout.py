@@ -171,3 +171,17 @@ def test_windowed_prompts_grow_no_longer_than_one_observation(tiny_tokenizer):
     assert ep.success
     lengths = [len(s.prompt_ids) for s in ep.steps]
     assert max(lengths) < 2 * min(lengths)
+
+
+def test_trajectory_weighting_gives_every_episode_the_same_total_weight(tiny_tokenizer):
+    eps = _group(tiny_tokenizer, [True, False])  # the failure runs to its budget
+    assert len(eps[1].steps) > len(eps[0].steps)
+    rows = group_rows(eps, step_weighting="trajectory")
+    total = {}
+    for r in rows:
+        total[r["trajectory_id"]] = total.get(r["trajectory_id"], 0.0) + r["advantage"]
+    mean_steps = (len(eps[0].steps) + len(eps[1].steps)) / 2
+    assert total[eps[0].trajectory_id] == pytest.approx(mean_steps)
+    assert total[eps[1].trajectory_id] == pytest.approx(-mean_steps)
+    with pytest.raises(ValueError, match="step_weighting"):
+        group_rows(eps, step_weighting="episode")

@@ -1,14 +1,15 @@
 """The notebooks run headless, top to bottom, on CPU, so they cannot rot unnoticed.
 
-Each notebook runs in its own Jupyter kernel (a separate process, via nbclient) and starts its
-own local Ray cluster there (``ray.init(address="local")``): nothing here uses the test
-session's shared ``ray_cluster``. A failing cell raises ``CellExecutionError`` with the cell's
+Each notebook runs in its own Jupyter kernel (a separate process, via nbclient); one that needs
+Ray starts its own local cluster there (``ray.init(address="local")``): nothing here uses the
+test session's shared ``ray_cluster``. A failing cell raises ``CellExecutionError`` with the cell's
 traceback.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,38 @@ def test_serve_and_chat_notebook_streams_and_records_a_turn(tiny_model_path):
     assert "clawray-tiny" in text_of(cells[1])  # the model list
     assert "completion_tokens" in text_of(cells[1])  # the stream ended with its usage
     assert "response ids; policy version 0" in text_of(cells[2])
+
+
+def test_curriculum_notebook_plots_alp_gmm_and_its_claims_hold():
+    """ALP-GMM vs uniform on a toy student, the household family through ``make_sampler`` and
+    ``Curriculum`` without Ray; the notebook's own assertion cells check its claims."""
+    t0 = time.perf_counter()
+    nb = execute("curriculum.ipynb")
+    elapsed = time.perf_counter() - t0
+    cells = code_cells(nb)
+    assert all(c.execution_count for c in cells)  # every cell ran
+
+    # the plots: (a)-(d) of the toy student, the difficulty heat map, the trajectory
+    plots = [c for c in cells if any("image/png" in o.get("data", {}) for o in c.outputs)]
+    assert len(plots) == 6, [c.source.splitlines()[0] for c in plots]
+    for needle in ("plt.subplots(1, 2, figsize=(10", "EPISODES + 1, BLOCK", "Ellipse",
+                   "final mastery", "difficulty_histogram", "cm[\"trajectory\"]"):
+        assert any(needle in c.source for c in plots), needle
+
+    # the printed tables: per seed and over seeds, and the household one
+    table = text_of(next(c for c in cells if "toy_summary =" in c.source))
+    for text in ("toy student, per seed:", "toy student, over 3 seeds:", "learnable share",
+                 "share after 1st fit", "final mastery", "alp_gmm", "uniform", "mean", "std"):
+        assert text in table, text
+    assert "all-fail groups" in text_of(next(c for c in cells if "hh_table =" in c.source))
+
+    for section in (1, 2, 3):
+        assert any(f"section {section} claims hold" in text_of(c) for c in cells), section
+    summary = json.loads(text_of(cells[-1]).split("curriculum summary:", 1)[1])
+    share, mastery = summary["toy_learnable_share"], summary["toy_final_mastery"]
+    assert share["alp_gmm"] > 2 * share["uniform"] and mastery["alp_gmm"] > mastery["uniform"]
+    assert summary["curriculum_fits"] == 6
+    print(f"curriculum notebook: {summary} (executed in {elapsed:.1f} s)")
+    # about 10 s on two busy cores; without its one-thread BLAS limit, threads spinning in the
+    # GMM fits make it minutes on a busy machine
+    assert summary["seconds"] < 120, summary

@@ -16,6 +16,12 @@ prompts short and the decision in plain sight, which a small model needs.
 GRPO (outcome reward): a task's G rollouts form a group; every step of rollout ``k`` gets the
 advantage ``(r_k - mean(r)) / std(r)`` (population std; a group whose rewards are all equal
 gets 0 everywhere: it carries no signal). Rewards are 1 for success and 0 for failure.
+
+Failed episodes usually run to their step budget while successes end early, so with the
+learner's token mean a group's failures outweigh its successes by their length.
+``step_weighting="trajectory"`` scales each step's advantage by ``mean_steps / steps`` of its
+episode (over the group), so every episode carries the same total weight; ``"step"`` keeps
+the plain per-step advantage.
 """
 
 from __future__ import annotations
@@ -136,7 +142,7 @@ def grpo_advantages(rewards: Sequence[float]) -> list[float]:
 
 
 def group_rows(episodes: Sequence[Episode], zero_advantage: str = "keep_masked",
-               source: str = "env") -> list[dict[str, Any]]:
+               source: str = "env", step_weighting: str = "step") -> list[dict[str, Any]]:
     """Sample rows of one GRPO group (every episode of one task), in episode and step order.
 
     Zero-advantage groups are kept with loss mask 0 (``keep_masked``: written, never trained)
@@ -144,6 +150,11 @@ def group_rows(episodes: Sequence[Episode], zero_advantage: str = "keep_masked",
     advantages = grpo_advantages([e.reward for e in episodes])
     if zero_advantage == "drop" and not any(advantages):
         return []
+    if step_weighting == "trajectory":
+        mean_steps = float(np.mean([max(len(e.steps), 1) for e in episodes]))
+        advantages = [a * mean_steps / max(len(e.steps), 1) for e, a in zip(episodes, advantages)]
+    elif step_weighting != "step":
+        raise ValueError(f"step_weighting must be 'step' or 'trajectory', got {step_weighting!r}")
     now = time.time()
     rows = []
     for ep, adv in zip(episodes, advantages):

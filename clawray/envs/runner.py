@@ -109,7 +109,8 @@ class EnvRunner:
                     logger.warning("runner %s: group of %s failed, retrying", self.runner_id,
                                    task.task_id, exc_info=True)
                     await asyncio.sleep(0.5)
-            rows = group_rows(episodes, self.env_cfg.zero_advantage)
+            rows = group_rows(episodes, self.env_cfg.zero_advantage,
+                              step_weighting=self.env_cfg.step_weighting)
             if rows:
                 await self.buffer.add.remote(rows)  # durable before it returns
             rewards = [ep.reward for ep in episodes]
@@ -157,18 +158,22 @@ class EnvRunner:
                 "busy_s": self.busy_s, **self.counts}
 
     async def evaluate(self, tasks: list[dict[str, Any]], temperature: float = 0.0,
+                       seeds: list[int] | None = None,
                        concurrency: int | None = None) -> list[dict[str, Any]]:
-        """Play each task once (greedy by default); nothing is written or reported."""
-        params = SamplingParams(max_tokens=self.env_cfg.max_tokens, temperature=temperature)
+        """Play each task once (greedy by default; with ``seeds``, one per task, sampling is
+        reproducible for given weights); nothing is written or reported."""
         sem = asyncio.Semaphore(concurrency or self.env_cfg.concurrency * self.env_cfg.group_size)
 
-        async def one(d: dict[str, Any]) -> dict[str, Any]:
+        async def one(d: dict[str, Any], seed: int | None) -> dict[str, Any]:
+            params = SamplingParams(max_tokens=self.env_cfg.max_tokens, temperature=temperature,
+                                    top_p=self.env_cfg.top_p, seed=seed)
             async with sem:
                 ep = (await self._play(Task.from_dict(d), 1, params))[0]
             return {"task_id": ep.task.task_id, "success": ep.success, "steps": len(ep.steps),
                     "ended": ep.ended, "difficulty": self.family.difficulty(ep.task)}
 
-        return list(await asyncio.gather(*(one(d) for d in tasks)))
+        seeds = seeds if seeds is not None else [None] * len(tasks)
+        return list(await asyncio.gather(*(one(d, s) for d, s in zip(tasks, seeds))))
 
 
 class EnvRunnerGroup:
@@ -255,11 +260,16 @@ class EnvRunnerGroup:
         out["curriculum"] = ray.get(self.curriculum.metrics.remote())
         return out
 
-    def evaluate(self, tasks: list[Task], temperature: float = 0.0) -> list[dict[str, Any]]:
-        """Play ``tasks`` once each, split over the runners (no rows, no curriculum reports)."""
+    def evaluate(self, tasks: list[Task], temperature: float = 0.0,
+                 seed: int | None = None) -> list[dict[str, Any]]:
+        """Play ``tasks`` once each, split over the runners (no rows, no curriculum reports).
+        With ``seed``, episode ``i`` samples with seed ``seed + i``: reproducible per weights."""
         runners = list(self.runners.values())
-        parts = [[t.to_dict() for t in tasks[i::len(runners)]] for i in range(len(runners))]
-        results = ray.get([r.evaluate.remote(p, temperature) for r, p in zip(runners, parts)])
+        k = len(runners)
+        seeds = None if seed is None else [seed + i for i in range(len(tasks))]
+        parts = [[t.to_dict() for t in tasks[i::k]] for i in range(k)]
+        results = ray.get([r.evaluate.remote(p, temperature, None if seeds is None else seeds[i::k])
+                           for i, (r, p) in enumerate(zip(runners, parts))])
         out: list[dict[str, Any]] = [{}] * len(tasks)
         for i, part in enumerate(results):
             out[i::len(runners)] = part

@@ -1,0 +1,167 @@
+"""``clawray env-demo``: SFT warm start, then GRPO on the household family with a curriculum.
+
+One seeded CPU run on the embedded tiny model:
+
+1. ``clawray sft`` (cached): the model imitates the household expert on easy tasks, which
+   gives it a non-zero but imperfect success rate;
+2. the warm-started model is served; env runners play GRPO groups of household tasks
+   chosen by the curriculum (ALP-GMM over the whole difficulty box by default); the trainer
+   (``training.mode: env``) updates the policy and pushes weights into serving;
+3. a fixed held-out task set (never trained on: its own seed) is played through serving
+   before training, every ``eval_every`` iterations and at the end, sampling at the training
+   temperature with a fixed seed (the same weights give the same episodes) and ``EVAL_SAMPLES``
+   episodes per task;
+4. ``env_progress.png`` shows held-out success, training success and the curriculum's
+   sampled difficulty over time; ``env_summary.json`` and ``metrics.jsonl`` hold the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clawray.config import ClawRayConfig
+
+ITERATIONS = 30
+EVAL_N = 100
+EVAL_SAMPLES = 2
+EVAL_SEED = 1234
+EVAL_MAX_DIFFICULTY = 0.5
+SEED = 0
+APP = "env-demo"
+
+
+def env_demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED) -> ClawRayConfig:
+    """The demo's settings on top of ``cfg`` (see docs/environments.md for what they do)."""
+    return cfg.copy_with(
+        serving={"record_sink": ["none"]},
+        buffer={"path": str(out / "samples"), "seal_age_s": 0.2, "max_staleness": 1},
+        environments={"family": "household", "history_window": 0, "num_runners": 2,
+                      "runner_num_cpus": 0.25, "concurrency": 4, "group_size": 8,
+                      "max_tokens": 16, "temperature": 1.0, "zero_advantage": "drop",
+                      "step_weighting": "trajectory",
+                      "seed": seed},
+        curriculum={"sampler": "alp_gmm",
+                    "sampler_kwargs": {"fit_rate": 40, "random_task_ratio": 0.2}},
+        sft={"tasks": 600, "steps": 1000, "max_difficulty": 0.3, "eval_tasks": 0,
+             "seed": seed},
+        training={"app": APP, "mode": "env", "batch_size": 64, "min_batch": 16,
+                  "take_timeout_s": 60.0, "lr": 3e-4, "zero_stage": 1,
+                  "learner_num_cpus": 0.5, "seed": seed,
+                  "checkpoint_dir": str(out / "checkpoints"),
+                  "metrics_path": str(out / "metrics.jsonl")})
+
+
+def held_out_tasks(cfg: ClawRayConfig, n: int, seed: int) -> list[Any]:
+    from clawray.envs import make_family
+    from clawray.sft import demo_tasks
+
+    family = make_family(cfg.environments_cfg.family, **cfg.environments_cfg.family_kwargs)
+    return demo_tasks(family, n, EVAL_MAX_DIFFICULTY, seed + 7_777_777)
+
+
+def run_env_learning(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
+                     eval_n: int = EVAL_N, eval_every: int = 10, seed: int = SEED,
+                     progress: bool = True) -> dict[str, Any]:
+    """Train ``iterations`` env iterations on an app already serving ``cfg``'s model."""
+    from clawray.trainer import Trainer
+
+    tasks = held_out_tasks(cfg, eval_n, seed) * EVAL_SAMPLES
+    trainer = Trainer(config=cfg.to_dict())
+    evals: list[dict[str, Any]] = []
+
+    def evaluate(iteration: int) -> None:
+        t0 = time.perf_counter()
+        res = trainer.envs.evaluate(tasks, cfg.environments_cfg.temperature, EVAL_SEED)
+        rate = float(np.mean([r["success"] for r in res]))
+        evals.append({"iteration": iteration, "version": trainer.version, "success": rate,
+                      "n": len(res), "seconds": time.perf_counter() - t0})
+        if progress:
+            print(f"clawray env-demo: held-out success at iteration {iteration} "
+                  f"(v{trainer.version}): {rate:.1%} of {len(res)}", flush=True)
+
+    try:
+        evaluate(0)
+        results = []
+        for i in range(1, iterations + 1):
+            results.append(trainer.train())
+            if i % eval_every == 0 or i == iterations:
+                evaluate(i)
+        curriculum = trainer.envs.stats()["curriculum"]
+    finally:
+        trainer.stop()
+    train = [{"iteration": i + 1, "version": r.get("policy_version"),
+              "samples": r.get("samples"), "env_success": r.get("env_success"),
+              "reward_mean": r.get("reward_mean"), "episodes_per_s": r.get("env_episodes_per_s")}
+             for i, r in enumerate(results)]
+    return {"before": evals[0], "after": evals[-1], "evals": evals, "train": train,
+            "curriculum": {k: curriculum.get(k) for k in
+                           ("trajectory", "difficulty_histogram", "reported", "episodes",
+                            "success_rate", "mean_difficulty")},
+            "eval_max_difficulty": EVAL_MAX_DIFFICULTY}
+
+
+def plot_env_progress(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ev = summary["evals"]
+    axes[0].plot([e["iteration"] for e in ev], [e["success"] for e in ev], "o-")
+    axes[0].set(title=f"held-out success ({ev[0]['n']} episodes)", xlabel="iteration",
+                ylabel="success rate", ylim=(0, 1))
+    tr = [t for t in summary["train"] if t["env_success"] is not None]
+    axes[1].plot([t["iteration"] for t in tr], [t["env_success"] for t in tr], ".-")
+    axes[1].set(title="training episodes' success (sampled)", xlabel="iteration",
+                ylim=(0, 1))
+    traj = summary["curriculum"].get("trajectory") or []
+    if traj:
+        eps, diff, succ = zip(*traj)
+        axes[2].plot(eps, diff, label="mean sampled difficulty")
+        axes[2].plot(eps, succ, label="recent success")
+        axes[2].legend()
+    axes[2].set(title="curriculum (ALP-GMM)", xlabel="episodes", ylim=(0, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_env_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
+                 eval_n: int = EVAL_N, seed: int = SEED) -> int:
+    import ray
+    from ray import serve
+
+    from clawray.serve.app import build_app
+    from clawray.sft import run_sft
+
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("samples", "samples-env", "checkpoints"):
+        shutil.rmtree(out / stale, ignore_errors=True)
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    cfg = env_demo_config(cfg, out, seed)
+    t0 = time.monotonic()
+    sft = run_sft(cfg)
+    print(f"clawray env-demo: warm-started model {sft.path} "
+          f"({'cached' if sft.cached else f'{time.monotonic() - t0:.0f} s'})", flush=True)
+    cfg = cfg.copy_with(model={"path": str(sft.path)})
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": cfg.serving_cfg.port})
+        serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
+        summary = run_env_learning(cfg, out, iterations, eval_n, seed=seed)
+    finally:
+        ray.shutdown()
+    summary.update(seed=seed, iterations=iterations, sft=sft.info, seconds=time.monotonic() - t0)
+    (out / "env_summary.json").write_text(json.dumps(summary, indent=2))
+    plot_env_progress(summary, out / "env_progress.png")
+    print(f"clawray env-demo: held-out success {summary['before']['success']:.1%} → "
+          f"{summary['after']['success']:.1%} on {summary['after']['n']} tasks; plot "
+          f"{out / 'env_progress.png'} ({time.monotonic() - t0:.0f} s in all)")
+    return 0 if summary["after"]["success"] > summary["before"]["success"] else 1

@@ -51,7 +51,7 @@ def env_demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED) -> ClawRayC
         sft={"tasks": 600, "steps": 1000, "max_difficulty": 0.3, "eval_tasks": 0,
              "seed": seed},
         training={"app": APP, "mode": "env", "batch_size": 64, "min_batch": 16,
-                  "take_timeout_s": 60.0, "lr": 3e-4, "zero_stage": 1,
+                  "take_timeout_s": 60.0, "lr": 1e-3, "mini_batches": 2, "zero_stage": 1,
                   "learner_num_cpus": 0.5, "seed": seed,
                   "checkpoint_dir": str(out / "checkpoints"),
                   "metrics_path": str(out / "metrics.jsonl")})

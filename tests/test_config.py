@@ -57,13 +57,27 @@ def test_yaml_roundtrip(tmp_path):
 
 
 def test_deployment_yamls_hold_valid_configs():
-    for name in ("local.yaml", "gpu.yaml"):
+    for name in ("local.yaml", "gpu.yaml", "envs.yaml"):
         doc = yaml.safe_load((ROOT / "deployments" / name).read_text())
         app = doc["applications"][0]
         assert app["import_path"] == "clawray.serve.app:build_app"
         assert doc["http_options"]["host"] == "127.0.0.1"
         cfg = ClawRayConfig.from_dict(app["args"])
-        if name == "local.yaml":
+        if name in ("local.yaml", "envs.yaml"):
             cfg.validate()
-        else:
+        if name == "envs.yaml":
+            assert cfg.training_cfg.mode == "env" and cfg.environments_cfg.num_runners >= 1
+        elif name == "gpu.yaml":
             assert cfg.inference_cfg.engine == "vllm" and cfg.serving_cfg.layout == "split"
+
+
+def test_env_training_needs_runners_and_new_sections_reject_typos():
+    with pytest.raises(ConfigError, match="needs environments.num_runners"):
+        ClawRayConfig().environments(num_runners=0).training(mode="env").validate()
+    ClawRayConfig().environments(num_runners=0).validate()  # live mode needs none
+    with pytest.raises(ConfigError, match="group_sise"):
+        ClawRayConfig.from_dict({"environments": {"group_sise": 4}})
+    with pytest.raises(ConfigError, match="sampler"):
+        ClawRayConfig().curriculum(sampler="random")
+    cfg = ClawRayConfig().sft(steps=3).curriculum(sampler="accuracy_band")
+    assert ClawRayConfig.from_dict(cfg.to_dict()) == cfg

@@ -9,8 +9,8 @@ One seeded CPU run on the embedded tiny model:
    (``training.mode: env``) updates the policy and pushes weights into serving;
 3. a fixed held-out task set (never trained on: its own seed) is played through serving
    before training, every ``eval_every`` iterations and at the end, sampling at the training
-   temperature with a fixed seed (the same weights give the same episodes) and ``EVAL_SAMPLES``
-   episodes per task;
+   temperature with fixed seeds (the same weights give the same episodes; every step has its
+   own seed) and ``EVAL_SAMPLES`` episodes per task;
 4. ``env_progress.png`` shows held-out success, training success and the curriculum's
    sampled difficulty over time; ``env_summary.json`` and ``metrics.jsonl`` hold the numbers.
 """
@@ -51,7 +51,7 @@ def env_demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED) -> ClawRayC
         sft={"tasks": 600, "steps": 1000, "max_difficulty": 0.3, "eval_tasks": 0,
              "seed": seed},
         training={"app": APP, "mode": "env", "batch_size": 64, "min_batch": 16,
-                  "take_timeout_s": 60.0, "lr": 1e-3, "mini_batches": 2, "zero_stage": 1,
+                  "take_timeout_s": 60.0, "lr": 1e-4, "zero_stage": 1,
                   "learner_num_cpus": 0.5, "seed": seed,
                   "checkpoint_dir": str(out / "checkpoints"),
                   "metrics_path": str(out / "metrics.jsonl")})

@@ -13,8 +13,9 @@ carries no signal). So before environment RL, the policy imitates the family's e
 3. The result is saved as a model folder (weights + the base model's tokenizer and config),
    cached under ``sft.cache_dir`` by the hash of the base model and every setting that changes
    the result: a second run with the same config returns the folder at once.
-4. Held-out tasks (``sft.eval_tasks``, a different seed) are played greedily by the base and the
-   warm-started model through clawray's own engine; both success rates are reported.
+4. Held-out tasks (``sft.eval_tasks``, a different seed) are played by the base and the
+   warm-started model through clawray's own engine (seeded sampling at the runners'
+   temperature); both success rates are reported.
 
 Point ``model.path`` at the printed folder to serve and train from it.
 """
@@ -43,7 +44,7 @@ from clawray.models.chat_template import IM_END
 from clawray.samples import make_row, rows_to_batch
 
 logger = logging.getLogger(__name__)
-RECIPE = "1"  # bump when the rows or the training recipe change
+RECIPE = "1"  # the eval protocol is not part of the key: it does not change the weights  # bump when the rows or the training recipe change
 INFO = "clawray_sft.json"
 
 
@@ -122,8 +123,10 @@ def sft_key(base: Path, cfg: ClawRayConfig) -> str:
 
 
 def evaluate_model(path: Path, cfg: ClawRayConfig, tasks: list[Task],
-                   temperature: float = 0.0) -> float:
-    """Success rate of the model at ``path`` on ``tasks`` (one episode each, clawray's engine)."""
+                   temperature: float | None = None, seed: int = 0) -> float:
+    """Success rate of the model at ``path`` on ``tasks`` (one episode each, clawray's engine),
+    sampling at the runners' temperature with seeds ``seed + i`` (reproducible per weights).
+    Greedy decoding would loop: a repeated observation gives the same wrong action again."""
     from clawray.inference.engine import SamplingParams
     from clawray.inference.factory import make_engine
     from clawray.models.loader import ModelInfo, load_tokenizer
@@ -131,7 +134,7 @@ def evaluate_model(path: Path, cfg: ClawRayConfig, tasks: list[Task],
     family = make_family(cfg.environments_cfg.family, **cfg.environments_cfg.family_kwargs)
     tokenizer = load_tokenizer(path)
     e = cfg.environments_cfg
-    params = SamplingParams(max_tokens=e.max_tokens, temperature=temperature, seed=0)
+    temp = e.temperature if temperature is None else temperature
 
     async def main() -> list[bool]:
         engine = make_engine(cfg.model_cfg, cfg.inference_cfg, ModelInfo.from_path(path))
@@ -139,8 +142,10 @@ def evaluate_model(path: Path, cfg: ClawRayConfig, tasks: list[Task],
             async def gen(ids: list[int], p: SamplingParams) -> Any:
                 return (await engine.generate(ids, p))[0]
             eps = await asyncio.gather(*(play_episode(
-                family, t, gen, tokenizer, params, e.max_steps,
-                history_window=e.history_window) for t in tasks))
+                family, t, gen, tokenizer,
+                SamplingParams(max_tokens=e.max_tokens, temperature=temp, top_p=e.top_p,
+                               seed=seed + i),
+                e.max_steps, history_window=e.history_window) for i, t in enumerate(tasks)))
             return [ep.success for ep in eps]
         finally:
             await engine.shutdown()

@@ -185,3 +185,20 @@ def test_trajectory_weighting_gives_every_episode_the_same_total_weight(tiny_tok
     assert total[eps[1].trajectory_id] == pytest.approx(-mean_steps)
     with pytest.raises(ValueError, match="step_weighting"):
         group_rows(eps, step_weighting="episode")
+
+
+def test_a_seeded_episode_gives_every_step_its_own_seed(tiny_tokenizer):
+    from clawray.envs.rollout import STEP_SEED_STRIDE
+
+    family = make_family("household")
+    task = family.generate([0.0] * 4, seed=3)
+    seeds = []
+
+    async def generate(prompt_ids, params):
+        seeds.append(params.seed)
+        ids = tiny_tokenizer.encode("dance", add_special_tokens=False)
+        return TokenOutput(ids, [-1.0] * len(ids), "stop", policy_version=0)
+
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=11)
+    ep = asyncio.run(play_episode(family, task, generate, tiny_tokenizer, params))
+    assert seeds == [11 + i * STEP_SEED_STRIDE for i in range(len(ep.steps))]

@@ -39,6 +39,7 @@ from clawray.samples import make_row
 
 Generate = Callable[[list[int], SamplingParams], Awaitable[TokenOutput]]
 STD_EPS = 1e-6
+STEP_SEED_STRIDE = 1_000_003
 
 
 @dataclasses.dataclass
@@ -106,7 +107,12 @@ async def play_episode(family: TaskFamily, task: Task, generate: Generate, token
                        max_prompt_tokens: int | None = None,
                        trajectory_id: str | None = None,
                        history_window: int | None = None) -> Episode:
-    """Play ``task`` to the end with the policy behind ``generate``."""
+    """Play ``task`` to the end with the policy behind ``generate``.
+
+    With ``params.seed`` set, step ``i`` samples with seed ``seed + i * STEP_SEED_STRIDE``: the
+    episode is reproducible for given weights, and a repeated observation does not replay the
+    same draw (one seed for every step would repeat a wrong action until the budget runs out
+    whenever an observation repeats, e.g. after "nothing happens")."""
     env = family.make_env()
     messages = env.reset(task)
     tools = getattr(env, "tools", None) or family.tools
@@ -116,7 +122,9 @@ async def play_episode(family: TaskFamily, task: Task, generate: Generate, token
         prompt = render_prompt(tokenizer, context_messages(messages, history_window), tools)
         if max_prompt_tokens is not None and len(prompt) > max_prompt_tokens:
             return Episode(task, traj, steps, False, "context", messages)
-        out = await generate(prompt, params)
+        step_params = params if params.seed is None else dataclasses.replace(
+            params, seed=params.seed + len(steps) * STEP_SEED_STRIDE)
+        out = await generate(prompt, step_params)
         text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
         action = env.as_action(text)
         result = env.step(action)

@@ -316,6 +316,9 @@ class CurriculumConfig(_Section):
     sampler_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Passed to the sampler (e.g. fit_rate, "
         "random_task_ratio for alp_gmm; band, patience for accuracy_band).")
+    max_difficulty: float = Field(
+        1.0, gt=0, le=1, description="Sample within the lower fraction of every axis of the "
+        "family's difficulty box (1: the whole box).")
     checkpoint_path: str | None = Field(None, description="JSON state file; restored if present.")
     checkpoint_every: int = Field(50, ge=0, description="Save every N reported groups; 0: never.")
 

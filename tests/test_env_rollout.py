@@ -202,3 +202,19 @@ def test_a_seeded_episode_gives_every_step_its_own_seed(tiny_tokenizer):
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=11)
     ep = asyncio.run(play_episode(family, task, generate, tiny_tokenizer, params))
     assert seeds == [11 + i * STEP_SEED_STRIDE for i in range(len(ep.steps))]
+
+
+def test_a_sub_box_keeps_a_curriculum_within_the_lower_part_of_every_axis():
+    from clawray.curriculum.samplers import make_sampler
+    from clawray.envs import EnvError
+    from clawray.envs.base import SubBox
+
+    inner = make_family("household")
+    box = SubBox(inner, 0.4)
+    sampler = make_sampler("uniform", box, seed=0)
+    tasks = [sampler.next_task() for _ in range(50)]
+    assert all(max(inner.normalized(t.params)) <= 0.4 + 1e-9 for t in tasks)
+    assert all(t.family == "household" for t in tasks)
+    assert box.generate([1.0] * 4, 3) == inner.generate([0.4] * 4, 3)  # clipped to the sub-box
+    with pytest.raises(EnvError, match="fraction"):
+        SubBox(inner, 0.0)

@@ -54,12 +54,17 @@ class Curriculum:
     def __init__(self, family_name: str, family_kwargs: dict[str, Any] | None = None,
                  sampler: str = "alp_gmm", sampler_kwargs: dict[str, Any] | None = None,
                  checkpoint_path: str | None = None, checkpoint_every: int = 50,
-                 window: int = 512, trajectory_every: int = 10, bins: int = 10) -> None:
+                 window: int = 512, trajectory_every: int = 10, bins: int = 10,
+                 max_difficulty: float = 1.0) -> None:
         if checkpoint_every < 0 or window < 1 or trajectory_every < 1 or bins < 1:
             raise ValueError("checkpoint_every must be >= 0 and window, trajectory_every, bins "
                              f">= 1; got {checkpoint_every}, {window}, {trajectory_every}, {bins}")
         self.family_name, self.sampler_name = family_name, sampler
         self.family = make_family(family_name, **(family_kwargs or {}))
+        if max_difficulty < 1.0:
+            from clawray.envs.base import SubBox
+
+            self.family = SubBox(self.family, max_difficulty)
         self.checkpoint_path = checkpoint_path
         self.checkpoint_every, self.trajectory_every, self.bins = (
             checkpoint_every, trajectory_every, bins)

@@ -242,6 +242,32 @@ class TaskFamily(ABC):
         return self.generate(params, seed)
 
 
+class SubBox(TaskFamily):
+    """``family`` with its difficulty box cut to the lower ``fraction`` of every axis (a
+    curriculum that should stay within a range: ``curriculum.max_difficulty``)."""
+
+    def __init__(self, family: TaskFamily, fraction: float) -> None:
+        if not 0 < fraction <= 1:
+            raise EnvError(f"a sub-box fraction must be in (0, 1], got {fraction}")
+        self.inner, self.fraction = family, fraction
+        self.name, self.tools = family.name, family.tools
+        self.params = tuple(dataclasses.replace(p, high=p.low + (p.high - p.low) * fraction)
+                            for p in family.params)
+
+    def generate(self, params: Sequence[float], seed: int) -> Task:
+        return self.inner.generate(self.clip(params), seed)
+
+    def rewrite(self, task: Task, direction: Direction, critique: str | None = None,
+                seed: int = 0) -> Task:
+        return self.inner.rewrite(task, direction, critique, seed)
+
+    def make_env(self) -> TextEnv:
+        return self.inner.make_env()
+
+    def difficulty(self, task: Task) -> float:
+        return self.inner.difficulty(task)  # on the full box's scale
+
+
 @dataclasses.dataclass
 class Demonstration:
     """One expert episode: the history before each action, and the action."""

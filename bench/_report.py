@@ -67,6 +67,30 @@ def wait_for_quiet(max_wait_s: float, log: Callable[[str], None] = _say,
         time.sleep(4)
 
 
+def apply_profile(args: Any, quick: bool, quick_values: dict[str, Any],
+                  full_values: dict[str, Any]) -> None:
+    """Fill every option left at None from the ``--quick`` or the full profile."""
+    for key, value in (quick_values if quick else full_values).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def write_results(report: dict[str, Any], out: Path, table: Callable[[dict[str, Any]], None],
+                  plot: Callable[[dict[str, Any], Path], None] | None = None) -> int:
+    """Write ``out`` (JSON) and, with ``plot``, the PNG beside it; print the table."""
+    import json
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    written = [str(out)]
+    if plot is not None:
+        plot(report, out.with_suffix(".png"))
+        written.append(str(out.with_suffix(".png")))
+    table(report)
+    print(f"\nwrote {' and '.join(written)}")
+    return 0
+
+
 def machine_info() -> dict[str, Any]:
     import psutil
 

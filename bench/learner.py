@@ -55,7 +55,7 @@ RESULTS = BENCH / "results"
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
-from _report import machine_info, wait_for_quiet  # noqa: E402
+from _report import apply_profile, machine_info, wait_for_quiet, write_results  # noqa: E402
 
 TARGET_RATIO = 0.9  # DeepSpeed learner tokens/s vs the plain PyTorch loop (issue 4)
 BASELINE = "torch-packed"
@@ -655,21 +655,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "retries": 0, "quiet_wait_s": 0.0}
     full = {"batch_size": 64, "pool": 192, "iterations": 12, "warmup": 2, "sync_versions": 6,
             "retries": 3, "quiet_wait_s": 60.0}
-    for key, value in (quick if args.quick else full).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    apply_profile(args, args.quick, quick, full)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report = run_benchmark(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    save_plot(report, args.out.with_suffix(".png"))
-    print_table(report)
-    print(f"\nwrote {args.out} and {args.out.with_suffix('.png')}")
-    return 0
+    return write_results(run_benchmark(args), args.out, print_table, save_plot)
 
 
 if __name__ == "__main__":

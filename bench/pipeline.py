@@ -327,12 +327,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report = run_benchmark(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print_table(report)
-    print(f"\nwrote {args.out}")
-    return 0
+    from _report import write_results
+
+    return write_results(run_benchmark(args), args.out, print_table)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def cmd_env_demo(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     return run_env_demo(cfg, Path(args.out), iterations=args.iterations, eval_n=args.eval_n,
-                        seed=args.seed)
+                        eval_every=args.eval_every, seed=args.seed)
 
 
 def _prebuild(cfg: ClawRayConfig) -> None:
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
             p.add_argument("--iterations", type=int, default=ENV_ITERATIONS)
             p.add_argument("--eval-n", type=int, default=EVAL_N)
+            p.add_argument("--eval-every", type=int, default=10)
             p.add_argument("--seed", type=int, default=0)
         if name == "demo":
             from clawray.demo import ITERATIONS, SEED, USERS

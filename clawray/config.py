@@ -304,6 +304,9 @@ class EnvironmentsConfig(_Section):
     zero_advantage: Literal["keep_masked", "drop"] = Field(
         "keep_masked", description="Groups whose rollouts all scored the same carry no GRPO "
         "signal: keep their rows with loss mask 0 (logged, not trained) or drop them.")
+    buffer_seal_age_s: float = Field(
+        0.1, gt=0, description="Seal age of the env buffer (at most buffer.seal_age_s): each "
+        "group waits until its rows are durable.")
     buffer_suffix: str = Field("env-buffer", description="Env rows go to '{app}:<suffix>', "
                                "with its write-ahead log in '<buffer.path>-env'.")
     seed: int = 0

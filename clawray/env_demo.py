@@ -134,7 +134,7 @@ def plot_env_progress(summary: dict[str, Any], path: Path) -> None:
 
 
 def run_env_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
-                 eval_n: int = EVAL_N, seed: int = SEED) -> int:
+                 eval_n: int = EVAL_N, eval_every: int = 10, seed: int = SEED) -> int:
     import ray
     from ray import serve
 
@@ -155,7 +155,7 @@ def run_env_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": cfg.serving_cfg.port})
         serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
-        summary = run_env_learning(cfg, out, iterations, eval_n, seed=seed)
+        summary = run_env_learning(cfg, out, iterations, eval_n, eval_every, seed=seed)
     finally:
         ray.shutdown()
     summary.update(seed=seed, iterations=iterations, sft=sft.info, seconds=time.monotonic() - t0)

@@ -1,7 +1,8 @@
 """Quick runs of the benchmarks. ``bench/serving.py`` for the rows that need no Ray: the
 in-process floor (a) and the peer proxy design (b), whose two uvicorn servers really start and
 serve over loopback (the Ray Serve rows need clusters of their own and belong to the full
-benchmark only). ``bench/learner.py --quick`` whole, in a subprocess with its own Ray."""
+benchmark only). ``bench/learner.py --quick`` and ``bench/envs.py --quick`` whole, each in a
+subprocess with its own Ray."""
 
 from __future__ import annotations
 
@@ -62,17 +63,22 @@ def test_quick_run_of_inproc_and_peer_proxy_writes_complete_results(serving_benc
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def run_quick(script, out):
+    """``script --quick --out out`` in its own process; its JSON report."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
 def test_quick_run_of_the_learner_bench_compares_the_same_work_and_times_a_sync(
         tiny_model_path, tmp_path):
     """``bench/learner.py --quick`` in its own process: it joins a gloo process group and
     starts (then shuts down) a local Ray cluster, neither of which may touch this session's."""
-    import subprocess
-
     out = tmp_path / "learner.json"
-    run = subprocess.run([sys.executable, str(BENCH / "learner.py"), "--quick", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
-    assert run.returncode == 0, run.stderr[-4000:]
-    report = json.loads(out.read_text())
+    report = run_quick(BENCH / "learner.py", out)
 
     assert report["benchmark"] == "learner" and report["machine"]["versions"]["deepspeed"]
     assert report["settings"]["model_path"] == str(tiny_model_path)
@@ -99,6 +105,39 @@ def test_quick_run_of_the_learner_bench_compares_the_same_work_and_times_a_sync(
     assert sync["bytes"] == sync["copy_bytes"] > 1_000_000  # the whole state dict, both ways
     assert sync["sync_s_median"] > 0 and sync["copy_s_median"] > 0 and sync["sync_vs_copy"] > 0
     assert all(r["replicas"] == 1 for r in sync["rounds"])
+
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_quick_run_of_the_env_runner_bench_measures_runners_against_the_generation_limit(
+        tiny_model_path, tmp_path):
+    """``bench/envs.py --quick`` in its own process (its own local Ray cluster and Serve app):
+    2 runners and the policy's raw generation rate at 16 calls in flight (as many as the 2
+    runners keep in flight: 2 x 2 groups x 4 rollouts)."""
+    out = tmp_path / "envs.json"
+    report = run_quick(BENCH / "envs.py", out)
+
+    assert report["benchmark"] == "envs" and report["machine"]["versions"]["ray"]
+    s = report["settings"]
+    assert s["model_path"] == str(tiny_model_path)
+    assert (s["family"], s["history_window"], s["max_tokens"], s["group_size"]) == (
+        "household", 0, 8, 4)
+    rows = {r["config"]: r for r in report["summary"]["results"]}
+    assert set(rows) == {"generate c=16", "2 runners"}
+    assert report["summary"]["limit"] == "generate c=16"
+    limit = rows["generate c=16"]
+    assert limit["calls"] > 0 and limit["errors"] == 0
+    assert 0 < limit["tokens_per_call"] <= 8 and limit["vs_limit_tokens"] == 1.0
+    r = rows["2 runners"]
+    assert r["runners"] == 2 and r["groups"] > 0 and r["episodes"] == 4 * r["groups"], r
+    assert r["calls"] >= r["episodes"] and 0 < r["tokens_per_call"] <= 8, r  # whole groups
+    assert r["tokens_per_s"] > 0 and r["vs_limit_tokens"] > 0 and r["nodes"] == 1
+    assert r["group_retries"] == 0
+    # The limit's prompts are what the runners render: similar lengths.
+    p = report["prompts"]
+    assert p["runner_rows"] > 0
+    assert 0.5 < p["limit_tokens_mean"] / p["runner_rows_tokens_mean"] < 2.0, p
 
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

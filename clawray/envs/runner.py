@@ -186,7 +186,12 @@ class EnvRunnerGroup:
         self.cfg, self.app = cfg, app
         e, c = cfg.environments_cfg, cfg.curriculum_cfg
         names = env_names(app, cfg)
-        buffer_cfg = cfg.buffer_cfg.model_copy(update={"path": cfg.buffer_cfg.path.rstrip("/") + "-env"})
+        # A group waits for its rows to be durable before its slot leases the next task, so
+        # the env buffer seals sooner than the live one (bench/README.md: 0.54x -> 0.85x of
+        # the generation limit for one runner).
+        buffer_cfg = cfg.buffer_cfg.model_copy(update={
+            "path": cfg.buffer_cfg.path.rstrip("/") + "-env",
+            "seal_age_s": min(cfg.buffer_cfg.seal_age_s, e.buffer_seal_age_s)})
         self.buffer = start_sample_buffer(buffer_cfg, name=names["buffer"], namespace=NAMESPACE)
         self.curriculum = get_or_create_curriculum(
             names["curriculum"], namespace=NAMESPACE, family_name=e.family,
@@ -199,6 +204,7 @@ class EnvRunnerGroup:
         self.runners: dict[str, Any] = {}
         self.runs: dict[str, Any] = {}
         self.restarts = 0
+        self.max_groups: int | None = None
         self.finished: dict[str, dict[str, Any]] = {}
         self._next = 0
         for _ in range(e.num_runners):
@@ -207,14 +213,18 @@ class EnvRunnerGroup:
     def _spawn(self) -> str:
         rid = f"{self.app}-runner-{self._next}-{uuid.uuid4().hex[:6]}"
         self._next += 1
+        # SPREAD ignores actors that request no resources (they land on a random node).
         self.runners[rid] = EnvRunner.options(
-            num_cpus=self.cfg.environments_cfg.runner_num_cpus, scheduling_strategy="SPREAD",
+            num_cpus=max(self.cfg.environments_cfg.runner_num_cpus, 0.01),
+            scheduling_strategy="SPREAD",
             max_restarts=0, runtime_env=self.cfg.environments_cfg.runtime_env,
         ).remote(self.cfg.to_dict(), self.app, rid)
         return rid
 
     def start(self, max_groups: int | None = None) -> None:
-        """Start (or restart) every idle runner's play loop."""
+        """Start (or restart) every idle runner's play loop (``max_groups`` each; a
+        replacement for a runner that died gets the same limit)."""
+        self.max_groups = max_groups
         for rid, runner in self.runners.items():
             if rid not in self.runs:
                 self.runs[rid] = runner.run.remote(max_groups)
@@ -239,7 +249,7 @@ class EnvRunnerGroup:
             released += ray.get(self.curriculum.release.remote(rid))
             self.restarts += 1
             new = self._spawn()
-            self.runs[new] = self.runners[new].run.remote()
+            self.runs[new] = self.runners[new].run.remote(self.max_groups)
             replaced.append((rid, new))
         return {"replaced": replaced, "released": released}
 

@@ -484,15 +484,17 @@ def build_config(model_path: Path, tmp: str, args: argparse.Namespace) -> Any:
     from clawray.config import ClawRayConfig
 
     buffer = {"path": f"{tmp}/samples"}
-    if args.seal_age_s is not None:
+    envs = {}
+    if args.seal_age_s is not None:  # the env buffer seals at the smaller of the two
         buffer["seal_age_s"] = args.seal_age_s
+        envs["buffer_seal_age_s"] = args.seal_age_s
     return (ClawRayConfig().model(path=str(model_path))
             .serving(record_sink=["none"], replica_num_cpus=args.replica_num_cpus)
             .buffer(**buffer)
             .environments(family=args.family, num_runners=1, runner_num_cpus=args.runner_num_cpus,
                           concurrency=args.concurrency, group_size=args.group_size,
                           max_tokens=args.max_tokens, seed=args.seed,
-                          history_window=args.history_window)
+                          history_window=args.history_window, **envs)
             .curriculum(sampler="uniform"))
 
 
@@ -606,7 +608,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runner-num-cpus", type=float, default=0.0)
     p.add_argument("--replica-num-cpus", type=float, default=1.0)
     p.add_argument("--seal-age-s", type=float, default=None,
-                   help="env buffer seal age (default: the config's, 1.0 s)")
+                   help="env buffer seal age (default: the config's, 0.1 s)")
     p.add_argument("--num-cpus", type=int, default=4, help="logical CPUs of the Ray cluster")
     p.add_argument("--prompts", type=int, default=256, help="distinct prompts for the limit")
     p.add_argument("--max-foreign-pct", type=float, default=15.0,

@@ -190,14 +190,13 @@ class Trainer(tune.Trainable):
         live_ref = live.take.remote(n_live, t.take_timeout_s, 0) if n_live else None
         env_part = ray.get(env_ref) if env_ref else []
         live_part = ray.get(live_ref) if live_ref else []
-        got = sum(s.length for s in env_part) + sum(s.length for s in live_part)
-        if got < t.batch_size:
-            short = t.batch_size - got
-            extra_from = env if sum(s.length for s in live_part) < n_live else live
-            have = ray.get(extra_from.stats.remote()).get("available", 0)
-            if have:
-                env_part += ray.get(extra_from.take.remote(min(short, have), 0.0, 1))
         slices = env_part + live_part
+        short = t.batch_size - sum(s.length for s in slices)
+        if short > 0:
+            other = env if sum(s.length for s in live_part) < n_live else live
+            have = ray.get(other.stats.remote()).get("available", 0)
+            if have:
+                slices += ray.get(other.take.remote(min(short, have), 0.0, 1))
         return slices if sum(s.length for s in slices) >= t.min_batch else []
 
     def _env_stats(self) -> dict[str, Any]:

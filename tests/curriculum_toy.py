@@ -82,3 +82,7 @@ class ToyStudent:
         if self.learnable(x):
             self.competence += np.exp(-((self.cells - x) ** 2).sum(axis=1) / (2 * 0.1 ** 2))
         return float(ok)
+
+    def mastery(self) -> float:
+        """Mean success probability over the learnable region."""
+        return float(np.mean(1.0 - np.exp(-self.competence / 40.0)))

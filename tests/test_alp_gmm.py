@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from clawray.curriculum.alp_gmm import ALPGMM, ALPGMMConfig
+from curriculum_toy import ToyStudent  # the toy student of the synthetic teacher tests
 
 
 def teacher(**kw) -> ALPGMM:
@@ -114,40 +115,6 @@ def test_seeded_runs_are_reproducible_and_state_round_trips():
 
 
 # ---------------------------------------------------------------- synthetic teacher test
-
-class ToyStudent:
-    """Competence grows only where it practices, and spreads to nearby tasks. Tasks with
-    x < 0.3 and y < 0.5 (15 % of the space) are learnable; everything else always fails.
-    Competence lives on a 6 x 10 grid over the learnable region; an attempt adds a Gaussian
-    bump (width 0.1) around the task; success probability is 1 - exp(-competence / 40)."""
-
-    def __init__(self, rng: np.random.Generator) -> None:
-        self.rng = rng
-        gx, gy = np.meshgrid((np.arange(6) + 0.5) * 0.05, (np.arange(10) + 0.5) * 0.05,
-                             indexing="ij")
-        self.cells = np.stack([gx.ravel(), gy.ravel()], axis=1)
-        self.competence = np.zeros(len(self.cells))
-
-    def learnable(self, x: np.ndarray) -> bool:
-        return bool(x[0] < 0.3 and x[1] < 0.5)
-
-    def p_success(self, x: np.ndarray) -> float:
-        if not self.learnable(x):
-            return 0.0
-        c = self.competence[int(np.argmin(np.linalg.norm(self.cells - x, axis=1)))]
-        return float(1.0 - np.exp(-c / 40.0))
-
-    def attempt(self, x: np.ndarray) -> float:
-        ok = self.rng.random() < self.p_success(x)
-        if self.learnable(x):
-            d2 = ((self.cells - x) ** 2).sum(axis=1)
-            self.competence += np.exp(-d2 / (2 * 0.1 ** 2))
-        return float(ok)
-
-    def mastery(self) -> float:
-        """Mean success probability over the learnable region."""
-        return float(np.mean(1.0 - np.exp(-self.competence / 40.0)))
-
 
 def _teach(sampler: str, seed: int, episodes: int = 600) -> tuple[float, float]:
     rng = np.random.default_rng(seed)

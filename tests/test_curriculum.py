@@ -212,7 +212,7 @@ def _teach(name: str, seed: int, groups: int = 200, g: int = 8) -> tuple[float, 
         t = sampler.next_task()
         inside += student.learnable(t.params)
         sampler.update(t, [student.attempt(t.params) for _ in range(g)])
-    return inside / groups, float(np.mean(1.0 - np.exp(-student.competence / 40.0)))
+    return inside / groups, student.mastery()
 
 
 def test_learnability_and_accuracy_band_sample_the_learnable_frontier_more_than_uniform():

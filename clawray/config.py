@@ -266,8 +266,9 @@ class TrainingConfig(_Section):
     metrics_path: str | None = Field(
         None, description="JSONL of per-iteration metrics; default: checkpoint_dir/metrics.jsonl."
     )
-    mode: Literal["live", "env", "mixed"] = Field(
-        "live", description="Train on live sessions, on env runners' GRPO groups, or both.")
+    mode: Literal["live", "env", "mixed", "rlanything"] = Field(
+        "live", description="Train on live sessions, on env runners' GRPO groups, both, or "
+        "RLAnything's synchronous loop (policy + step-wise RM + environment adaptation).")
     env_fraction: float = Field(
         0.5, ge=0, le=1, description="mixed mode: share of each batch taken from env rows "
         "(the rest from live rows; a side that has too few is topped up from the other).")
@@ -345,6 +346,43 @@ class SFTConfig(_Section):
     seed: int = 0
 
 
+class RLAnythingConfig(_Section):
+    """RLAnything (``clawray/rlanything``): the step-wise reward model, its co-training, and the
+    environment adaptation (REFERENCE §5). Used by ``training.mode: rlanything``."""
+
+    lam: float = Field(1.0, ge=0, description="λ in R = O + (λ/m) Σ S.")
+    m: int = Field(3, ge=1, description="RM scorings per step.")
+    temperature: float = Field(0.8, ge=0, description="RM sampling temperature.")
+    max_tokens: int = Field(64, ge=1, description="RM output tokens per scoring.")
+    rm_backend: Literal["server", "function", "openai"] = Field(
+        "server", description="Who scores steps: 'server' (a JudgeServer deployment, the "
+        "only one that can be co-trained), 'function' (judge.function's contract: a Python "
+        "callable) or 'openai' (judge.url / judge.model).")
+    rm_function: str = Field("clawray.rlanything.oracle:oracle_step_judge",
+                             description="'function' backend: the step judge by import path.")
+    rm_model_path: str | None = Field(None, description="RM model folder (default: the "
+                                      "policy model, or judge.model_path when set).")
+    co_train_rm: bool = Field(True, description="Train the RM on consistency rewards "
+                              "(needs rm_backend 'server').")
+    rm_lr: float = Field(1e-4, gt=0)
+    rm_batch_size: int = Field(256, ge=1, description="RM rows per RM update (at most).")
+    single_rollout: Literal["zero", "raw"] = Field(
+        "zero", description="Advantage of a step only one rollout reaches.")
+    policy_band: tuple[float, float] = Field((1 / 8, 7 / 8), description="Policy data only "
+                                             "from tasks with accuracy in this band.")
+    rm_band: tuple[float, float] = Field((0.2, 0.8), description="RM data only from tasks "
+                                         "with accuracy in this band.")
+    adapt_env: bool = Field(True, description="Rewrite tasks that are too easy or too hard.")
+    slots: int = Field(8, ge=1, description="Task slots the EnvAdapter keeps.")
+    harder_at: float = Field(0.8, ge=0, le=1)
+    easier_at: float = Field(0.2, ge=0, le=1)
+    accept_band: tuple[float, float] = Field((0.2, 0.8), description="A rewrite is accepted "
+                                             "only with a new accuracy inside this band.")
+    llm_rewrite: bool = Field(False, description="Rewrite through the RM backend (an LLM "
+                              "proposes difficulty params) instead of programmatically.")
+    checkpoint_path: str | None = Field(None, description="EnvAdapter state file.")
+
+
 class ClawRayConfig(_Section):
     """The whole configuration; builder methods mirror RLlib's ``AlgorithmConfig``."""
 
@@ -364,6 +402,8 @@ class ClawRayConfig(_Section):
     curriculum_cfg: CurriculumConfig = Field(default_factory=CurriculumConfig,
                                              alias="curriculum")
     sft_cfg: SFTConfig = Field(default_factory=SFTConfig, alias="sft")
+    rlanything_cfg: RLAnythingConfig = Field(default_factory=RLAnythingConfig,
+                                             alias="rlanything")
 
     # ---- builder methods (one per concern; each returns self) ----
     def model(self, **kwargs: Any) -> "ClawRayConfig":
@@ -404,6 +444,10 @@ class ClawRayConfig(_Section):
 
     def sft(self, **kwargs: Any) -> "ClawRayConfig":
         self.sft_cfg = _updated(self.sft_cfg, kwargs)
+        return self
+
+    def rlanything(self, **kwargs: Any) -> "ClawRayConfig":
+        self.rlanything_cfg = _updated(self.rlanything_cfg, kwargs)
         return self
 
     # ---- loading and dumping ----
@@ -468,8 +512,20 @@ class ClawRayConfig(_Section):
                 f"training.batch_size={t.batch_size} is smaller than mini_batches x micro_batches"
                 f" x num_learners = {t.mini_batches * t.micro_batches * t.num_learners}: some "
                 "ranks would never see a sample")
-        if t.mode in ("env", "mixed") and self.environments_cfg.num_runners < 1:
+        if t.mode in ("env", "mixed", "rlanything") and self.environments_cfg.num_runners < 1:
             problems.append(f"training.mode={t.mode!r} needs environments.num_runners >= 1")
+        r = self.rlanything_cfg
+        if r.co_train_rm and r.rm_backend != "server":
+            problems.append(f"rlanything.co_train_rm needs rlanything.rm_backend='server' (a "
+                            f"JudgeServer whose weights clawray owns), not {r.rm_backend!r}")
+        for name in ("policy_band", "rm_band", "accept_band"):
+            low, high = getattr(r, name)
+            if not 0 <= low <= high <= 1:
+                problems.append(f"rlanything.{name}={[low, high]} must satisfy 0 <= low <= high "
+                                "<= 1")
+        if r.easier_at >= r.harder_at:
+            problems.append(f"rlanything.easier_at={r.easier_at} must be below harder_at="
+                            f"{r.harder_at}")
         if problems:
             raise ConfigError("invalid clawray config:\n  - " + "\n  - ".join(problems))
         return self

@@ -358,7 +358,7 @@ class RLAnythingConfig(_Section):
         "server", description="Who scores steps: 'server' (a JudgeServer deployment, the "
         "only one that can be co-trained), 'function' (judge.function's contract: a Python "
         "callable) or 'openai' (judge.url / judge.model).")
-    rm_function: str = Field("clawray.rlanything.oracle:oracle_step_judge",
+    rm_function: str = Field("clawray.rlanything.oracle:noisy_step_judge",
                              description="'function' backend: the step judge by import path.")
     rm_model_path: str | None = Field(None, description="RM model folder (default: the "
                                       "policy model, or judge.model_path when set).")

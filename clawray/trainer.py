@@ -14,6 +14,9 @@ runs, checkpoints and sweeps clawray configs). One iteration (``step``)::
 In ``env`` and ``mixed`` modes the trainer also runs an ``EnvRunnerGroup`` (runners playing
 GRPO groups against the same app, fed by the ``CurriculumActor``); each iteration replaces dead
 runners and logs their throughput, success rate and the curriculum's metrics (``env_*``).
+In ``rlanything`` mode the trainer drives the runners itself, one synchronous RLAnything step
+per iteration (``rlanything/loop.py``): rollouts, m step-RM scores, critiques, environment
+adaptation, then the policy update on those rows, then the reward model's update and sync.
 
 Serving never pauses for training: replicas swap weights between generation steps, samples
 carry the policy version they came from, and ``buffer.max_staleness`` plus the learner's
@@ -41,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 WINDOW = 20  # iterations in the smoothed (windowed) stats
 LOGGED = ("reward_mean", "loss", "clip_frac", "is_weight_mean", "grad_norm", "tokens_per_s",
-          "staleness_mean", "env_success", "env_episodes_per_s")
+          "staleness_mean", "env_success", "env_episodes_per_s", "rla_success", "rm_step_acc")
 
 
 class _Gauges:
@@ -118,11 +121,17 @@ class Trainer(tune.Trainable):
             self.checkpoint_dir / "metrics.jsonl"
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         self.envs = None
+        self.rla = None
         if t.mode != "live":
             from clawray.envs.runner import EnvRunnerGroup
 
             self.envs = EnvRunnerGroup(self.cfg, self.app)
-            self.envs.start()
+            if t.mode == "rlanything":
+                from clawray.rlanything.loop import RLAnythingLoop
+
+                self.rla = RLAnythingLoop(self.cfg, self.app, self.envs)
+            else:
+                self.envs.start()
             self._env_prev: dict[str, Any] = {}
             self._env_t = time.perf_counter()
 
@@ -144,9 +153,14 @@ class Trainer(tune.Trainable):
     def step(self) -> dict[str, Any]:
         t = self.cfg.training_cfg
         started = time.perf_counter()
-        with self.metrics.log_time("time_take_s", reduce="mean", window=WINDOW):
-            slices = self._take()
         result: dict[str, Any] = {"policy_version": self.version, "samples": 0}
+        rm_rows: list[dict[str, Any]] = []
+        with self.metrics.log_time("time_take_s", reduce="mean", window=WINDOW):
+            if self.rla is not None:
+                slices, rm_rows, step_metrics = self._rlanything_take()
+                result.update(step_metrics)
+            else:
+                slices = self._take()
         if slices:
             table = fetch(slices, ray.get)
             result.update(batch_stats(table, self.version))
@@ -158,6 +172,9 @@ class Trainer(tune.Trainable):
                     result.update({f"sync_{k}": v for k, v in self._publish().items()
                                    if k in ("bytes", "seconds", "send_s", "apply_s")})
                 result["policy_version"] = self.version
+        if self.rla is not None:
+            result.update(self.rla.rm_update(rm_rows))
+            result["env_adapter"] = self.rla.metrics()
         if self.envs is not None:
             result.update(self._env_stats())
         for key in LOGGED:
@@ -198,6 +215,17 @@ class Trainer(tune.Trainable):
             if have:
                 slices += ray.get(other.take.remote(min(short, have), 0.0, 1))
         return slices if sum(s.length for s in slices) >= t.min_batch else []
+
+    def _rlanything_take(self) -> tuple[list[Any], list[dict[str, Any]], dict[str, Any]]:
+        """One RLAnything step up to the updates: its policy rows go through the env buffer
+        (durable before they are trained on), its RM rows are returned for ``rm_update``."""
+        policy_rows, rm_rows, metrics = self.rla.rollouts_and_rows()
+        slices: list[Any] = []
+        if policy_rows:
+            ray.get(self.envs.buffer.add.remote(policy_rows))
+            slices = ray.get(self.envs.buffer.take.remote(
+                len(policy_rows), self.cfg.training_cfg.take_timeout_s, 1))
+        return slices, rm_rows, metrics
 
     def _env_stats(self) -> dict[str, Any]:
         """Runner replacement, throughput since the last iteration, curriculum metrics."""
@@ -244,6 +272,8 @@ class Trainer(tune.Trainable):
             # Resume it with curriculum.checkpoint_path (``clawray.train --restore`` does).
             state["curriculum"] = ray.get(self.envs.curriculum.save.remote(
                 str(path / "curriculum.json")))
+        if self.rla is not None:
+            self.rla.save(str(path))
         self.learner.save(path / "learner", state)
         (path / "trainer.json").write_text(json.dumps(state))
         return state
@@ -263,6 +293,8 @@ class Trainer(tune.Trainable):
         self.restored_state = state
 
     def cleanup(self) -> None:
+        if getattr(self, "rla", None) is not None:
+            self.rla.shutdown()
         if getattr(self, "envs", None) is not None:
             self.envs.shutdown()
         self.learner.shutdown()

@@ -153,6 +153,20 @@ class EnvRunner:
     def stop(self) -> None:
         self._stop.set()
 
+    async def play_groups(self, tasks: list[dict[str, Any]], n: int) -> list[list[Episode]]:
+        """``n`` episodes of each task, returned (not written, not reported): the synchronous
+        loop of ``training.mode: rlanything`` scores and trains on them itself."""
+        groups = await asyncio.gather(*(self._play(Task.from_dict(d), n, self.params)
+                                        for d in tasks))
+        c = self.counts
+        for episodes in groups:
+            c["groups"] += 1
+            c["episodes"] += len(episodes)
+            c["successes"] += sum(ep.success for ep in episodes)
+            c["steps"] += sum(len(ep.steps) for ep in episodes)
+            c["tokens"] += sum(ep.tokens for ep in episodes)
+        return list(groups)
+
     def stats(self) -> dict[str, Any]:
         return {"runner_id": self.runner_id, "node_id": ray.get_runtime_context().get_node_id(),
                 "busy_s": self.busy_s, **self.counts}
@@ -271,20 +285,30 @@ class EnvRunnerGroup:
         out["curriculum"] = ray.get(self.curriculum.metrics.remote())
         return out
 
+    def _spread(self, items: list[Any], call: Any) -> list[Any]:
+        """Deal ``items`` round-robin over the runners, run ``call(runner, share, i)`` on each,
+        and put the results back in the order of ``items``."""
+        runners = list(self.runners.values())
+        k = len(runners)
+        parts = ray.get([call(r, items[i::k], i) for i, r in enumerate(runners)])
+        out: list[Any] = [None] * len(items)
+        for i, part in enumerate(parts):
+            out[i::k] = part
+        return out
+
     def evaluate(self, tasks: list[Task], temperature: float = 0.0,
                  seed: int | None = None) -> list[dict[str, Any]]:
         """Play ``tasks`` once each, split over the runners (no rows, no curriculum reports).
         With ``seed``, episode ``i`` samples with seed ``seed + i``: reproducible per weights."""
-        runners = list(self.runners.values())
-        k = len(runners)
         seeds = None if seed is None else [seed + i for i in range(len(tasks))]
-        parts = [[t.to_dict() for t in tasks[i::k]] for i in range(k)]
-        results = ray.get([r.evaluate.remote(p, temperature, None if seeds is None else seeds[i::k])
-                           for i, (r, p) in enumerate(zip(runners, parts))])
-        out: list[dict[str, Any]] = [{}] * len(tasks)
-        for i, part in enumerate(results):
-            out[i::len(runners)] = part
-        return out
+        k = len(self.runners)
+        return self._spread([t.to_dict() for t in tasks], lambda r, share, i: r.evaluate.remote(
+            share, temperature, None if seeds is None else seeds[i::k]))
+
+    def play(self, tasks: list[Task], n: int) -> list[list[Episode]]:
+        """``n`` episodes of every task, the tasks split over the runners; in task order."""
+        return self._spread([t.to_dict() for t in tasks],
+                            lambda r, share, i: r.play_groups.remote(share, n))
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Stop the play loops; in-flight groups finish and are written."""

@@ -3,11 +3,18 @@
 ``JudgeCore`` does the work without Serve (tests use it directly); ``JudgeServer`` is the thin
 Serve deployment around it. It has no HTTP routes: voters reach it through a deployment handle.
 
-- ``judge``: the chat-templated judge prompt goes to ONE engine call with ``n`` samples, so the
-  votes share a single prompt prefill (OpenClaw-RL makes ``n`` separate calls).
+- ``judge_samples``: the chat-templated judge prompt goes to ONE engine call with ``n``
+  samples, so the votes share a single prompt prefill (OpenClaw-RL makes ``n`` separate
+  calls). Each sample keeps the exact prompt and output ids, their log-probs and the weights
+  version, which is what co-training the judge as RLAnything's reward model needs; ``judge``
+  returns only their texts.
 - ``teacher_logprobs``: the hinted prompt is templated exactly like the policy's prompt (tools
   and generation prompt included) and the engine scores the student's sampled response ids as
   given: one log-prob per id, no re-tokenization, no padding.
+
+A JudgeServer replica receives weights on its own channel, ``judge_channel(app)``
+(``clawray/serve/control.py``), from the RM co-trainer (``clawray/rlanything/rm_trainer.py``);
+``status()`` reports the version it serves.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from clawray.config import ClawRayConfig
 from clawray.inference.engine import Engine, SamplingParams
 from clawray.inference.factory import make_engine
 from clawray.models.loader import ModelInfo, load_tokenizer, resolve_model_path
+from clawray.serve.control import WeightReceiver, judge_channel, start_receiver
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +38,24 @@ class JudgeInputError(ValueError):
     """A judge or teacher request that cannot be served as given (e.g. too long)."""
 
 
+def judge_model_path(cfg: ClawRayConfig) -> str | None:
+    """The folder the app's JudgeServer loads when it is not the policy model, else None.
+
+    With ``training.mode: rlanything`` and ``rlanything.rm_backend: server`` the JudgeServer is
+    the reward model that gets co-trained: ``rlanything.rm_model_path`` wins. Otherwise (and
+    when that is unset) ``judge.model_path``. One JudgeServer serves both the RM and, if
+    configured, the live PRM judge, so both see the RM's weights.
+    """
+    r = cfg.rlanything_cfg
+    if cfg.training_cfg.mode == "rlanything" and r.rm_backend == "server" and r.rm_model_path:
+        return r.rm_model_path
+    return cfg.judge_cfg.model_path
+
+
 def judge_model_info(cfg: ClawRayConfig) -> ModelInfo:
-    """The judge model's folder: ``judge.model_path``, else the policy model (built if it is
+    """The judge model's folder (``judge_model_path``), else the policy model (built if it is
     the embedded default)."""
-    path = cfg.judge_cfg.model_path or cfg.model_cfg.path
+    path = judge_model_path(cfg) or cfg.model_cfg.path
     return ModelInfo.from_path(resolve_model_path(path, seed=cfg.model_cfg.seed))
 
 
@@ -48,7 +70,7 @@ class JudgeCore:
                  tokenizer: Any = None) -> None:
         self.info = judge_model_info(cfg)
         model_cfg = cfg.model_cfg
-        if cfg.judge_cfg.model_path:  # another model: its own context window and name
+        if judge_model_path(cfg):  # another model: its own context window and name
             model_cfg = model_cfg.model_copy(update={"path": str(self.info.path),
                                                      "max_model_len": None, "served_name": None})
         self.engine = engine if engine is not None else make_engine(
@@ -68,9 +90,13 @@ class JudgeCore:
             raise JudgeInputError(f"the chat template cannot render these messages: {e}") from e
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def judge(self, messages: list[dict[str, Any]], n: int, temperature: float,
-                    max_tokens: int) -> list[str]:
-        """``n`` judge outputs for the judge prompt ``messages``, from one engine call."""
+    async def judge_samples(self, messages: list[dict[str, Any]], n: int, temperature: float,
+                            max_tokens: int) -> list[dict[str, Any]]:
+        """``n`` judge outputs for the judge prompt ``messages``, from one engine call, each as
+        ``{text, prompt_ids, token_ids, logprobs, finish_reason, policy_version,
+        policy_version_end}``: the exact ids the judge sampled (``text`` is their decoding
+        without special tokens) and the raw log-probs of those ids under the weights version
+        ``policy_version`` (``policy_version_end`` when a weight swap happened mid-way)."""
         prompt_ids = await asyncio.to_thread(self.template, messages)
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
@@ -82,8 +108,17 @@ class JudgeCore:
         outputs = await self.engine.generate(prompt_ids, params)
         if len(outputs) != n:
             raise RuntimeError(f"the judge engine returned {len(outputs)} outputs for n={n}")
-        return [self.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        return [{"text": self.tokenizer.decode(o.token_ids, skip_special_tokens=True),
+                 "prompt_ids": list(prompt_ids), "token_ids": list(o.token_ids),
+                 "logprobs": [float(x) for x in o.logprobs], "finish_reason": o.finish_reason,
+                 "policy_version": int(o.policy_version),
+                 "policy_version_end": o.policy_version_end}
                 for o in sorted(outputs, key=lambda o: o.index)]
+
+    async def judge(self, messages: list[dict[str, Any]], n: int, temperature: float,
+                    max_tokens: int) -> list[str]:
+        """The texts of ``judge_samples`` (PRM votes, OPD hints)."""
+        return [s["text"] for s in await self.judge_samples(messages, n, temperature, max_tokens)]
 
     async def teacher_logprobs(self, messages: list[dict[str, Any]],
                                tools: list[dict[str, Any]] | None,
@@ -109,14 +144,27 @@ class JudgeCore:
         return [float(x) for x in logprobs]
 
     async def status(self) -> dict[str, Any]:
+        """Model, engine load, and ``version``: the judge weights version it serves."""
         engine = await self.engine.status()
+        receiver: WeightReceiver | None = getattr(self, "receiver", None)
         return {"model": str(self.info.path), "max_model_len": self.max_model_len,
-                "engine": engine.engine, "running": engine.running, "waiting": engine.waiting}
+                "engine": engine.engine, "running": engine.running, "waiting": engine.waiting,
+                "version": engine.policy_version,
+                "weights_error": receiver.error if receiver is not None else None}
 
 
 @serve.deployment(name="JudgeServer")
 class JudgeServer(JudgeCore):
-    """A Serve replica wrapping one judge engine; reached only through deployment handles."""
+    """A Serve replica wrapping one judge engine; reached only through deployment handles.
+
+    It takes published RM weights from ``judge_channel(app)``, never from the policy's channel.
+    """
 
     def __init__(self, config: dict) -> None:
         super().__init__(ClawRayConfig.from_dict(config))
+        self.receiver: WeightReceiver | None = start_receiver(self.engine, channel=judge_channel)
+
+    def __del__(self) -> None:  # Serve calls it on shutdown: stop polling, deregister
+        receiver = getattr(self, "receiver", None)  # None if the constructor failed early
+        if receiver is not None:
+            receiver.close()

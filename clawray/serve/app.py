@@ -6,6 +6,12 @@
         args: {model: {path: embedded:tiny}, serving: {default_turn_type: main}}
 
 ``args`` is a clawray config (the same keys as a clawray YAML file), or ``{config: path}``.
+
+The app holds a ``JudgeServer`` when something calls it: the live PRM judge
+(``judge.backend: server`` with the ``hub`` record sink) or RLAnything's step-wise reward model
+(``training.mode: rlanything`` with ``rlanything.rm_backend: server``; its model is
+``judge_model_path``). Callers reach it with
+``serve.get_deployment_handle("JudgeServer", app_name=app)``.
 """
 
 from __future__ import annotations
@@ -34,7 +40,11 @@ def build_app(args: dict[str, Any] | ClawRayConfig | None = None) -> Application
     ingress = Ingress.options(num_replicas=s.ingress_replicas,
                               max_ongoing_requests=s.max_ongoing_requests)
     judge = None
-    if cfg.judge_cfg.backend == "server" and "hub" in s.record_sink:
+    live_judge = cfg.judge_cfg.backend == "server" and "hub" in s.record_sink
+    step_rm = (cfg.training_cfg.mode == "rlanything"
+               and cfg.rlanything_cfg.rm_backend == "server")
+    if live_judge or step_rm:
+        # Bound into the ingress only to keep it in the app; callers find it by name.
         judge = JudgeServer.options(ray_actor_options=actor).bind(data)
     if s.layout == "colocated":
         return ingress.options(ray_actor_options=actor).bind(data, None, judge)

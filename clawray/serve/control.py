@@ -12,6 +12,10 @@ The payload ref travels inside a one-element list: Ray resolves a top-level ``Ob
 argument, but passes nested ones through untouched, so the control actor never loads weights.
 State lives in memory: after a restart the version is rebuilt from the replicas' reports and
 the payload comes back with the learner's next publish.
+
+A channel is any name with its own control actor. The app's policy replicas use the app's name;
+its JudgeServer replicas use ``judge_channel(app)`` (``{app}/judge``), so the RLAnything reward
+model's weights and versions never mix with the policy's.
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ POLL_S = 5.0  # long-poll timeout; well under DEFAULT_LIVE_S
 
 def control_name(app_name: str) -> str:
     return f"{app_name}:control"
+
+
+def judge_channel(app_name: str) -> str:
+    """The weight channel of ``app_name``'s JudgeServer replicas (the RLAnything RM)."""
+    return f"{app_name}/judge"
 
 
 @ray.remote(num_cpus=0)
@@ -326,13 +335,19 @@ async def _actor_alive(handle: Any) -> bool:
         return False
 
 
-def start_receiver(engine: Any = None) -> WeightReceiver | None:
-    """A started receiver when running in a Serve replica with an event loop, else None."""
+def start_receiver(engine: Any = None, *,
+                   channel: Callable[[str], str] | None = None) -> WeightReceiver | None:
+    """A started receiver when running in a Serve replica with an event loop, else None.
+
+    It listens on the replica's app's own channel, or on ``channel(app_name)`` when given
+    (``judge_channel`` for JudgeServer replicas).
+    """
     where = serve_replica_id()
     if where is None:
         return None
+    app_name = where[0] if channel is None else channel(where[0])
     try:
-        return WeightReceiver(where[0], where[1], engine).start()
+        return WeightReceiver(app_name, where[1], engine).start()
     except RuntimeError:  # no running event loop: cannot happen in a Serve 2.60 constructor
         logger.warning("replica %s has no running event loop: weight sync is off", where[1])
         return None

@@ -32,14 +32,14 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from clawray.config import ClawRayConfig
 from clawray.envs import TaskFamily, demonstrate, make_family
 from clawray.envs.base import Task
-from clawray.envs.rollout import context_messages, play_episode, render_prompt
+from clawray.envs.rollout import Episode, context_messages, play_episode, render_prompt
 from clawray.models.chat_template import IM_END
 from clawray.samples import make_row, rows_to_batch
 
@@ -113,18 +113,24 @@ def _files_digest(path: Path) -> str:
 
 def sft_key(base: Path, cfg: ClawRayConfig) -> str:
     """Hash of what determines the result: base model files, family, SFT and learner settings."""
-    e, t = cfg.environments_cfg, cfg.training_cfg
+    e = cfg.environments_cfg
     parts = {"recipe": RECIPE, "base": _files_digest(base), "family": e.family,
              "family_kwargs": e.family_kwargs, "history_window": e.history_window,
              "sft": cfg.sft_cfg.model_dump(exclude={"cache_dir", "eval_tasks"}),
-             "learner": {"zero_stage": t.zero_stage, "max_pack_tokens": t.max_pack_tokens,
-                         "grad_clip": t.grad_clip, "betas": list(t.betas)}}
+             "learner": learner_settings(cfg)}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def evaluate_model(path: Path, cfg: ClawRayConfig, tasks: list[Task],
-                   temperature: float | None = None, seed: int = 0) -> float:
-    """Success rate of the model at ``path`` on ``tasks`` (one episode each, clawray's engine),
+def learner_settings(cfg: ClawRayConfig) -> dict[str, Any]:
+    """The learner settings besides ``sft.*`` that change what ``_train`` produces."""
+    t = cfg.training_cfg
+    return {"zero_stage": t.zero_stage, "max_pack_tokens": t.max_pack_tokens,
+            "grad_clip": t.grad_clip, "betas": list(t.betas)}
+
+
+def play_tasks(path: Path, cfg: ClawRayConfig, tasks: list[Task],
+               temperature: float | None = None, seed: int = 0) -> list[Episode]:
+    """One episode per task with the model at ``path`` (clawray's engine, in this process),
     sampling at the runners' temperature with seeds ``seed + i`` (reproducible per weights).
     Greedy decoding would loop: a repeated observation gives the same wrong action again."""
     from clawray.inference.engine import SamplingParams
@@ -136,22 +142,59 @@ def evaluate_model(path: Path, cfg: ClawRayConfig, tasks: list[Task],
     e = cfg.environments_cfg
     temp = e.temperature if temperature is None else temperature
 
-    async def main() -> list[bool]:
+    async def main() -> list[Episode]:
         engine = make_engine(cfg.model_cfg, cfg.inference_cfg, ModelInfo.from_path(path))
         try:
             async def gen(ids: list[int], p: SamplingParams) -> Any:
                 return (await engine.generate(ids, p))[0]
-            eps = await asyncio.gather(*(play_episode(
+            return list(await asyncio.gather(*(play_episode(
                 family, t, gen, tokenizer,
                 SamplingParams(max_tokens=e.max_tokens, temperature=temp, top_p=e.top_p,
                                seed=seed + i),
-                e.max_steps, history_window=e.history_window) for i, t in enumerate(tasks)))
-            return [ep.success for ep in eps]
+                e.max_steps, history_window=e.history_window) for i, t in enumerate(tasks))))
         finally:
             await engine.shutdown()
 
-    results = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def evaluate_model(path: Path, cfg: ClawRayConfig, tasks: list[Task],
+                   temperature: float | None = None, seed: int = 0) -> float:
+    """Success rate of the model at ``path`` on ``tasks`` (``play_tasks``)."""
+    results = [ep.success for ep in play_tasks(path, cfg, tasks, temperature, seed)]
     return float(np.mean(results)) if results else float("nan")
+
+
+def cached_result(out: Path, force: bool = False) -> SFTResult | None:
+    """The finished cache entry ``out`` (``cached=True``), or None if there is none or
+    ``force`` asks for a new one."""
+    if (out / INFO).is_file() and not force:
+        return SFTResult(out, True, json.loads((out / INFO).read_text()))
+    return None
+
+
+def save_result(out: Path, base: Path, model: Any,
+                describe: Callable[[Path], dict[str, Any]]) -> SFTResult:
+    """Save the trained ``model`` as the cache entry ``out``, with ``base``'s tokenizer and
+    config files. It is written to a temporary folder beside ``out``; ``describe(folder)``
+    returns the info (it may load the saved model, e.g. to evaluate it), which goes to
+    ``INFO``; then the folder is renamed into place, so an entry with ``INFO`` is complete."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        for f in base.iterdir():
+            if f.is_file() and not f.name.endswith((".safetensors", ".bin")):
+                shutil.copy2(f, tmp / f.name)
+        model.save_pretrained(tmp)
+        info = describe(tmp)
+        (tmp / INFO).write_text(json.dumps(info, indent=2))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return SFTResult(out, False, info)
 
 
 def run_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True) -> SFTResult:
@@ -163,8 +206,8 @@ def run_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True) -> S
     base = Path(policy_model_info(cfg).path)
     key = sft_key(base, cfg)
     out = Path(s.cache_dir).expanduser() / f"sft-{key}"
-    if (out / INFO).is_file() and not force:
-        return SFTResult(out, True, json.loads((out / INFO).read_text()))
+    if (hit := cached_result(out, force)) is not None:
+        return hit
     family = make_family(cfg.environments_cfg.family, **cfg.environments_cfg.family_kwargs)
     tokenizer = load_tokenizer(base)
     t0 = time.perf_counter()
@@ -173,26 +216,20 @@ def run_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True) -> S
     if s.live_samples:
         rows += live_rows(s.live_samples)
     history = _train(base, cfg, rows, progress)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".sft-{key}-", dir=out.parent))
-    for f in base.iterdir():
-        if f.is_file() and not f.name.endswith((".safetensors", ".bin")):
-            shutil.copy2(f, tmp / f.name)
-    history["model"].save_pretrained(tmp)
     held_out = demo_tasks(family, s.eval_tasks, s.max_difficulty, s.seed + 1_000_003)
-    info = {"key": key, "base": str(base), "family": family.name, "rows": len(rows),
-            "demo_tasks": s.tasks, "steps": s.steps, "nll_first": history["nll"][0],
-            "nll_last": history["nll"][-1], "train_s": time.perf_counter() - t0,
-            "config": s.model_dump()}
-    if held_out:
-        info["eval_tasks"] = len(held_out)
-        info["success_before"] = evaluate_model(base, cfg, held_out)
-        info["success_after"] = evaluate_model(tmp, cfg, held_out)
-    (tmp / INFO).write_text(json.dumps(info, indent=2))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return SFTResult(out, False, info)
+
+    def describe(saved: Path) -> dict[str, Any]:
+        info = {"key": key, "base": str(base), "family": family.name, "rows": len(rows),
+                "demo_tasks": s.tasks, "steps": s.steps, "nll_first": history["nll"][0],
+                "nll_last": history["nll"][-1], "train_s": time.perf_counter() - t0,
+                "config": s.model_dump()}
+        if held_out:
+            info["eval_tasks"] = len(held_out)
+            info["success_before"] = evaluate_model(base, cfg, held_out)
+            info["success_after"] = evaluate_model(saved, cfg, held_out)
+        return info
+
+    return save_result(out, base, history["model"], describe)
 
 
 def _train(base: Path, cfg: ClawRayConfig, rows: list[dict[str, Any]],

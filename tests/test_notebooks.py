@@ -110,7 +110,6 @@ def test_curriculum_notebook_plots_alp_gmm_and_its_claims_hold():
     share, mastery = summary["toy_learnable_share"], summary["toy_final_mastery"]
     assert share["alp_gmm"] > 2 * share["uniform"] and mastery["alp_gmm"] > mastery["uniform"]
     assert summary["curriculum_fits"] == 6
+    # About 10 s on two busy cores (speed is measured by benchmarks, never asserted here);
+    # without its one-thread BLAS limit, spinning GMM-fit threads make it minutes.
     print(f"curriculum notebook: {summary} (executed in {elapsed:.1f} s)")
-    # about 10 s on two busy cores; without its one-thread BLAS limit, threads spinning in the
-    # GMM fits make it minutes on a busy machine
-    assert summary["seconds"] < 120, summary

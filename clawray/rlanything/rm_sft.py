@@ -1,0 +1,256 @@
+r"""``clawray rm-sft``: a supervised warm start for RLAnything's step-wise reward model.
+
+Co-training the RM (``rm_trainer.py``) rewards its verdicts for agreeing with outcomes, so it
+needs an RM that already writes a verdict: the untrained embedded model never ends with a
+``\boxed{}``, every scoring is unparseable and co-training gets no signal. This warm start
+teaches the verdict format and a first notion of progress from the environment's step oracle:
+
+1. ``n_tasks`` seeded tasks (params up to ``max_difficulty`` of the box, ``sft.seed``) are
+   played by the POLICY model (``policy_path``, e.g. ``clawray sft``'s result) at the runners'
+   sampling settings; every step becomes a ``StepContext`` (``steps.py``) with its oracle
+   label. An imperfect policy makes both progress and no-progress steps; where progress steps
+   are scarce the expert's steps of the same tasks are added (``collect_steps``).
+2. Each step becomes an ``sft`` row (``rm_sft_rows``): the prompt is the step-RM request
+   templated exactly as the JudgeServer templates it, the response ``\boxed{1}`` (progress) or
+   ``\boxed{-1}`` then ``<|im_end|>``; classes are balanced, labels optionally flipped
+   (``label_noise``, to study a noisy warm start).
+3. ``sft.steps`` NLL steps of ``sft.batch_size`` rows at ``sft.lr`` through the same learner as
+   ``clawray sft``; the model is saved as ``<sft.cache_dir>/rm-sft-<key>``, keyed by the base
+   model's files, the policy folder and every setting that changes the result, so a second run
+   returns it at once.
+4. ``sft.eval_tasks`` held-out tasks (another seed) are played by the policy and their steps
+   scored ``rlanything.m`` times by the base and by the warm-started RM
+   (``rm_step_accuracy``); both results go to the info file (``rm_before`` / ``rm_after``).
+
+Point ``rlanything.rm_model_path`` at the printed folder to co-train from it. The base model
+is ``model.path`` (or ``base=``); ``rlanything.rm_model_path`` is never read here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from clawray.config import ClawRayConfig
+from clawray.envs import make_family
+from clawray.envs.base import Task, TaskFamily
+from clawray.envs.rollout import Episode, play_episode, render_prompt
+from clawray.inference.engine import SamplingParams, TokenOutput
+from clawray.judging.step_rm import parse_step_score
+from clawray.models.chat_template import IM_END
+from clawray.rlanything.steps import StepContext, step_contexts, step_rm_request
+from clawray.samples import make_row
+from clawray.sft import (SFTResult, _files_digest, _train, cached_result, demo_tasks,
+                         learner_settings, play_tasks, save_result)
+
+logger = logging.getLogger(__name__)
+RECIPE = "1"  # bump when the rows, the step collection or the training recipe change
+EVAL_SEED_OFFSET = 1_000_003  # held-out tasks: the same offset as clawray sft's
+MAX_IMBALANCE = 2  # the majority class keeps at most this many rows per minority row
+
+
+def verdict(progress: bool) -> str:
+    r"""The RM's target answer for a step: ``\boxed{1}`` for progress, else ``\boxed{-1}``."""
+    return "\\boxed{1}" if progress else "\\boxed{-1}"
+
+
+def _expert_episode(family: TaskFamily, task: Task, tokenizer: Any,
+                    history_window: int | None) -> Episode:
+    """``task`` played by the family's expert through ``play_episode``, so its steps are cut
+    and rendered exactly like the policy's."""
+    shadow = family.make_env()
+    shadow.reset(task)
+    end = tokenizer.convert_tokens_to_ids(IM_END)
+
+    async def generate(_ids: list[int], _params: SamplingParams) -> TokenOutput:
+        action = shadow.expert_action()
+        shadow.step(action)
+        ids = tokenizer.encode(action.text(), add_special_tokens=False) + [end]
+        return TokenOutput(ids, [0.0] * len(ids), "stop", 0)
+
+    return asyncio.run(play_episode(family, task, generate, tokenizer, SamplingParams(),
+                                    max_steps=100, history_window=history_window))
+
+
+def collect_steps(policy_path: str | Path, cfg: ClawRayConfig, n_tasks: int,
+                  max_difficulty: float, seed: int) -> list[StepContext]:
+    """The steps of ``n_tasks`` seeded tasks played by the policy at ``policy_path`` (sampling
+    at ``environments.temperature``, episode ``i`` seeded ``seed + i``), in task order.
+
+    If fewer than one step in ``MAX_IMBALANCE + 1`` made progress (a weak policy), the
+    balancing of ``rm_sft_rows`` would throw most no-progress steps away, so the expert's
+    steps of the same tasks (all progress, in practice) are appended, one task at a time,
+    until it is no longer so or the tasks run out."""
+    from clawray.models.loader import load_tokenizer
+
+    e = cfg.environments_cfg
+    family = make_family(e.family, **e.family_kwargs)
+    tasks = demo_tasks(family, n_tasks, max_difficulty, seed)
+    contexts = [c for ep in play_tasks(Path(policy_path), cfg, tasks, seed=seed)
+                for c in step_contexts(ep)]
+    plus = sum(c.progress for c in contexts)
+    minus = len(contexts) - plus
+    tokenizer = load_tokenizer(policy_path)
+    for task in tasks:
+        if plus * MAX_IMBALANCE >= minus:
+            break
+        expert = step_contexts(_expert_episode(family, task, tokenizer, e.history_window))
+        contexts += expert
+        plus += sum(c.progress for c in expert)
+        minus += sum(not c.progress for c in expert)
+    return contexts
+
+
+def rm_sft_rows(contexts: list[StepContext], tokenizer: Any, history_window: int | None,
+                label_noise: float = 0.0, seed: int = 0) -> list[dict[str, Any]]:
+    r"""One ``sft`` row per kept step: prompt ids = the JudgeServer's template of
+    ``step_rm_request(ctx, history_window).messages`` (``JudgeCore.template``: chat template
+    with a generation prompt, encoded without special tokens), response = ``verdict`` of the
+    oracle label, flipped with probability ``label_noise``, then ``<|im_end|>``.
+
+    Balance: the class (by oracle label) with more steps is subsampled (seeded) to at most
+    ``MAX_IMBALANCE`` times the other, so the RM cannot score well by always answering the
+    common verdict; the kept rows stay in ``contexts`` order. Both classes must occur."""
+    if not 0.0 <= label_noise <= 1.0:
+        raise ValueError(f"label_noise must be a probability in [0, 1], got {label_noise}")
+    rng = random.Random(seed)
+    by_class = {True: [i for i, c in enumerate(contexts) if c.progress],
+                False: [i for i, c in enumerate(contexts) if not c.progress]}
+    if not by_class[True] or not by_class[False]:
+        raise ValueError(f"RM SFT needs progress and no-progress steps; got "
+                         f"{len(by_class[True])} and {len(by_class[False])}")
+    cap = MAX_IMBALANCE * min(len(v) for v in by_class.values())
+    keep = sorted(i for v in by_class.values()
+                  for i in (rng.sample(v, cap) if len(v) > cap else v))
+    end = tokenizer.convert_tokens_to_ids(IM_END)
+    rows = []
+    for n, i in enumerate(keep):
+        ctx = contexts[i]
+        label = ctx.progress != (rng.random() < label_noise)
+        response = tokenizer.encode(verdict(label), add_special_tokens=False) + [end]
+        rows.append(make_row(
+            sample_id=f"rm-sft/{i}", kind="sft", source="env", trajectory_id=f"rm-sft-{n}",
+            step=ctx.step,
+            prompt_ids=render_prompt(tokenizer, step_rm_request(ctx, history_window).messages,
+                                     None),
+            response_ids=response, rollout_logprobs=[0.0] * len(response), policy_version=0,
+            loss_mask=[1] * len(response), reward=1.0 if label else -1.0))
+    return rows
+
+
+def rm_step_accuracy(model_path: str | Path, cfg: ClawRayConfig, contexts: list[StepContext],
+                     m: int = 3, temperature: float = 0.8, seed: int = 0) -> dict[str, Any]:
+    """Score each step ``m`` times with the RM at ``model_path`` (one engine call with ``n=m``
+    per step, seeded ``seed + i``; ``rlanything.max_tokens`` tokens) against the oracle.
+
+    ``step_acc``: share of parseable scorings equal to the oracle label (NaN if none parse);
+    ``majority_acc``: share of steps whose majority of the ``m`` scorings is the oracle label
+    (unparseable scorings count for neither side; a tie is wrong); ``unparseable``: share of
+    all scorings without a verdict; ``plus_acc`` / ``minus_acc``: ``step_acc`` over progress /
+    no-progress steps only (an RM that always says -1 scores well on ``step_acc`` alone)."""
+    from clawray.inference.factory import make_engine
+    from clawray.models.loader import ModelInfo, load_tokenizer
+
+    tokenizer = load_tokenizer(model_path)
+    window = cfg.environments_cfg.history_window
+    max_tokens = cfg.rlanything_cfg.max_tokens
+
+    async def main() -> list[list[int | None]]:
+        engine = make_engine(cfg.model_cfg, cfg.inference_cfg, ModelInfo.from_path(model_path))
+        slots = asyncio.Semaphore(cfg.inference_cfg.max_running)
+
+        async def score(i: int, ctx: StepContext) -> list[int | None]:
+            ids = render_prompt(tokenizer, step_rm_request(ctx, window).messages, None)
+            params = SamplingParams(n=m, temperature=temperature, max_tokens=max_tokens,
+                                    seed=seed + i)
+            async with slots:
+                outs = await engine.generate(ids, params)
+            return [parse_step_score(tokenizer.decode(o.token_ids, skip_special_tokens=True))
+                    for o in outs]
+        try:
+            return list(await asyncio.gather(*(score(i, c) for i, c in enumerate(contexts))))
+        finally:
+            await engine.shutdown()
+
+    scores = asyncio.run(main())
+    return step_accuracy([c.progress for c in contexts], scores)
+
+
+def step_accuracy(progress: list[bool], scores: list[list[int | None]]) -> dict[str, Any]:
+    """``rm_step_accuracy``'s numbers from oracle labels and parsed scores (None: unparseable)."""
+    def acc(which: list[int]) -> float:
+        hits = [s == (1 if progress[i] else -1) for i in which for s in scores[i]
+                if s is not None]
+        return sum(hits) / len(hits) if hits else float("nan")
+
+    steps = list(range(len(progress)))
+    majority = [sum(s for s in scores[i] if s is not None) * (1 if progress[i] else -1) > 0
+                for i in steps]
+    total = sum(len(s) for s in scores)
+    return {"step_acc": acc(steps),
+            "majority_acc": sum(majority) / len(steps) if steps else float("nan"),
+            "unparseable": (sum(s is None for row in scores for s in row) / total
+                            if total else float("nan")),
+            "plus_acc": acc([i for i in steps if progress[i]]),
+            "minus_acc": acc([i for i in steps if not progress[i]]),
+            "n_steps": len(steps), "n_plus": sum(progress)}
+
+
+def rm_sft_key(base: Path, policy: Path, cfg: ClawRayConfig, settings: dict[str, Any]) -> str:
+    """Hash of what determines the result: base model and policy files, the environment and
+    sampling the steps come from, the SFT, RM SFT and learner settings."""
+    e, s = cfg.environments_cfg, cfg.sft_cfg
+    parts = {"recipe": RECIPE, "base": _files_digest(base), "policy": _files_digest(policy),
+             "env": e.model_dump(include={"family", "family_kwargs", "history_window",
+                                          "max_tokens", "temperature", "top_p", "max_steps"}),
+             "sft": s.model_dump(include={"steps", "batch_size", "lr", "seed"}),
+             "rm_sft": settings, "learner": learner_settings(cfg)}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_rm_sft(cfg: ClawRayConfig, policy_path: str | Path, force: bool = False,
+               progress: bool = True, n_tasks: int = 200, max_difficulty: float = 0.5,
+               label_noise: float = 0.0, base: str | Path | None = None) -> SFTResult:
+    """Warm-start the step-wise RM on the oracle labels of the policy's steps (cached; see
+    the module doc). ``base``: the model the RM starts from (default: ``model.path``)."""
+    from clawray.models.loader import load_tokenizer, resolve_model_path
+    from clawray.serve.policy_server import policy_model_info
+
+    s, r = cfg.sft_cfg, cfg.rlanything_cfg
+    base = (Path(resolve_model_path(str(base))) if base is not None
+            else Path(policy_model_info(cfg).path))
+    policy = Path(policy_path).expanduser()
+    settings = {"n_tasks": n_tasks, "max_difficulty": max_difficulty, "label_noise": label_noise}
+    key = rm_sft_key(base, policy, cfg, settings)
+    out = Path(s.cache_dir).expanduser() / f"rm-sft-{key}"
+    if (hit := cached_result(out, force)) is not None:
+        return hit
+    t0 = time.perf_counter()
+    contexts = collect_steps(policy, cfg, n_tasks, max_difficulty, s.seed)
+    rows = rm_sft_rows(contexts, load_tokenizer(base), cfg.environments_cfg.history_window,
+                       label_noise, s.seed)
+    history = _train(base, cfg, rows, progress)
+    held_out = (collect_steps(policy, cfg, s.eval_tasks, max_difficulty,
+                              s.seed + EVAL_SEED_OFFSET) if s.eval_tasks else [])
+
+    def describe(saved: Path) -> dict[str, Any]:
+        nll = history["nll"]
+        info: dict[str, Any] = {
+            "key": key, "base": str(base), "policy": str(policy), **settings,
+            "steps_collected": len(contexts), "progress_steps": sum(c.progress for c in contexts),
+            "rows": len(rows), "nll_first": nll[0], "nll_last": nll[-1],
+            "train_s": time.perf_counter() - t0, "config": s.model_dump()}
+        if held_out:
+            info["eval_tasks"] = s.eval_tasks
+            info["rm_before"], info["rm_after"] = (
+                rm_step_accuracy(path, cfg, held_out, r.m, r.temperature, s.seed)
+                for path in (base, saved))
+        return info
+
+    return save_result(out, base, history["model"], describe)

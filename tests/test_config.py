@@ -57,16 +57,18 @@ def test_yaml_roundtrip(tmp_path):
 
 
 def test_deployment_yamls_hold_valid_configs():
-    for name in ("local.yaml", "gpu.yaml", "envs.yaml"):
+    for name in ("local.yaml", "gpu.yaml", "envs.yaml", "rlanything.yaml"):
         doc = yaml.safe_load((ROOT / "deployments" / name).read_text())
         app = doc["applications"][0]
         assert app["import_path"] == "clawray.serve.app:build_app"
         assert doc["http_options"]["host"] == "127.0.0.1"
         cfg = ClawRayConfig.from_dict(app["args"])
-        if name in ("local.yaml", "envs.yaml"):
+        if name in ("local.yaml", "envs.yaml", "rlanything.yaml"):
             cfg.validate()
         if name == "envs.yaml":
             assert cfg.training_cfg.mode == "env" and cfg.environments_cfg.num_runners >= 1
+        elif name == "rlanything.yaml":
+            assert cfg.training_cfg.mode == "rlanything" and cfg.rlanything_cfg.co_train_rm
         elif name == "gpu.yaml":
             assert cfg.inference_cfg.engine == "vllm" and cfg.serving_cfg.layout == "split"
 

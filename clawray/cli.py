@@ -5,6 +5,7 @@
     clawray demo                  # serve + train from simulated users; the model visibly learns
     clawray replay                # serve the embedded default and replay an OpenClaw session
     clawray sft [-c cfg.yaml]     # warm-start the policy on expert demos (cached), print its folder
+    clawray rm-sft [-c cfg.yaml]  # warm-start the step-wise reward model on oracle-labelled steps
     clawray env-demo              # sft + GRPO on household tasks with a curriculum, before/after
     clawray samples stats PATH    # the sample log: counts, rewards; `samples head PATH -n 5`
 """
@@ -60,6 +61,27 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return run_replay(cfg, records_dir=Path(args.out))
 
 
+def cmd_rm_sft(args: argparse.Namespace) -> int:
+    from clawray.rlanything.rm_sft import run_rm_sft
+    from clawray.train import apply_sets, load_config
+
+    cfg = apply_sets(load_config(args.config), args.set).validate()
+    _prebuild(cfg)
+    result = run_rm_sft(cfg, args.policy or cfg.model_cfg.path, force=args.force,
+                        n_tasks=args.tasks, max_difficulty=args.max_difficulty,
+                        label_noise=args.label_noise)
+    info = result.info
+    print(f"clawray rm-sft: {'cached' if result.cached else 'trained'} {result.path}")
+    before, after = info.get("rm_before") or {}, info.get("rm_after") or {}
+    if after:
+        print(f"clawray rm-sft: held-out RM step accuracy {before.get('step_acc')} -> "
+              f"{after.get('step_acc')} (majority of m: {before.get('majority_acc')} -> "
+              f"{after.get('majority_acc')}; unparseable {before.get('unparseable')} -> "
+              f"{after.get('unparseable')})")
+    print(f"clawray rm-sft: use it with rlanything.rm_model_path: {result.path}")
+    return 0
+
+
 def cmd_sft(args: argparse.Namespace) -> int:
     from clawray.sft import run_sft
     from clawray.train import load_config, apply_sets
@@ -112,6 +134,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="override a config value, e.g. --set sft.steps=100")
     p.add_argument("--force", action="store_true", help="retrain even if cached")
     p.set_defaults(fn=cmd_sft)
+    p = sub.add_parser("rm-sft", help="warm-start the step-wise reward model (RLAnything)")
+    p.add_argument("-c", "--config", help="clawray YAML (environments:, sft:, rlanything:)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--policy", help="the policy whose steps are labelled (default: model.path)")
+    p.add_argument("--tasks", type=int, default=200, help="tasks the policy plays")
+    p.add_argument("--max-difficulty", type=float, default=0.5)
+    p.add_argument("--label-noise", type=float, default=0.0,
+                   help="flip this share of the oracle labels (an imperfect RM to co-train)")
+    p.add_argument("--force", action="store_true", help="retrain even if cached")
+    p.set_defaults(fn=cmd_rm_sft)
     for name, fn, help_ in (("serve", cmd_serve, "serve the policy model"),
                             ("demo", cmd_demo, "serve + train from simulated users"),
                             ("replay", cmd_replay, "serve + replay an OpenClaw session"),

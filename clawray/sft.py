@@ -44,7 +44,7 @@ from clawray.models.chat_template import IM_END
 from clawray.samples import make_row, rows_to_batch
 
 logger = logging.getLogger(__name__)
-RECIPE = "1"  # the eval protocol is not part of the key: it does not change the weights  # bump when the rows or the training recipe change
+RECIPE = "1"  # bump when the rows or the training recipe change (not the eval protocol)
 INFO = "clawray_sft.json"
 
 

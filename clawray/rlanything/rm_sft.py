@@ -149,7 +149,7 @@ def rm_step_accuracy(model_path: str | Path, cfg: ClawRayConfig, contexts: list[
     """Score each step ``m`` times with the RM at ``model_path`` (one engine call with ``n=m``
     per step, seeded ``seed + i``; ``rlanything.max_tokens`` tokens) against the oracle.
 
-    ``step_acc``: share of parseable scorings equal to the oracle label (NaN if none parse);
+    ``step_acc``: share of parseable scorings equal to the oracle label (None if none parse);
     ``majority_acc``: share of steps whose majority of the ``m`` scorings is the oracle label
     (unparseable scorings count for neither side; a tie is wrong); ``unparseable``: share of
     all scorings without a verdict; ``plus_acc`` / ``minus_acc``: ``step_acc`` over progress /
@@ -183,20 +183,21 @@ def rm_step_accuracy(model_path: str | Path, cfg: ClawRayConfig, contexts: list[
 
 
 def step_accuracy(progress: list[bool], scores: list[list[int | None]]) -> dict[str, Any]:
-    """``rm_step_accuracy``'s numbers from oracle labels and parsed scores (None: unparseable)."""
-    def acc(which: list[int]) -> float:
+    """``rm_step_accuracy``'s numbers from oracle labels and parsed scores (None: unparseable);
+    a share with nothing to count is None (JSON null in the info file)."""
+    def acc(which: list[int]) -> float | None:
         hits = [s == (1 if progress[i] else -1) for i in which for s in scores[i]
                 if s is not None]
-        return sum(hits) / len(hits) if hits else float("nan")
+        return sum(hits) / len(hits) if hits else None
 
     steps = list(range(len(progress)))
     majority = [sum(s for s in scores[i] if s is not None) * (1 if progress[i] else -1) > 0
                 for i in steps]
     total = sum(len(s) for s in scores)
     return {"step_acc": acc(steps),
-            "majority_acc": sum(majority) / len(steps) if steps else float("nan"),
+            "majority_acc": sum(majority) / len(steps) if steps else None,
             "unparseable": (sum(s is None for row in scores for s in row) / total
-                            if total else float("nan")),
+                            if total else None),
             "plus_acc": acc([i for i in steps if progress[i]]),
             "minus_acc": acc([i for i in steps if not progress[i]]),
             "n_steps": len(steps), "n_plus": sum(progress)}

@@ -1,42 +1,13 @@
 """RLAnything: the policy, a step-wise reward model and the environment co-evolving
-(REFERENCE §5). ``core`` holds the rules as pure functions (no Ray, no torch); the step-wise RM
-prompt lives in ``clawray.judging.step_rm``.
+(REFERENCE §5, docs/rlanything.md).
+
+- ``core``: the rules as pure functions (step rewards, advantages, RM consistency rewards,
+  task bands, adaptation trigger and acceptance, Theorem 1's simulation); no Ray, no torch.
+- ``steps``: a played episode cut into the steps the RM judges; ``oracle``: a synthetic RM.
+- ``adapter``: the ``EnvAdapter`` actor (task slots, rewrites, acceptance).
+- ``rm_trainer``: the ``RMCoTrainer`` actor (the RM's learner and weight channel).
+- ``rm_sft``: the RM's warm start (``clawray rm-sft``).
+- ``loop``: one synchronous step of ``training.mode: rlanything``.
+
+The step-wise RM prompt lives in ``clawray.judging.step_rm``.
 """
-
-from clawray.rlanything.core import (
-    POLICY_BAND,
-    RM_BAND,
-    accept_candidate,
-    accuracy,
-    adaptation_direction,
-    failure_steps,
-    in_band,
-    policy_task_filter,
-    precision_bound,
-    programmatic_critique,
-    rm_consistency_rewards,
-    rm_task_filter,
-    simulate_precision,
-    step_advantages,
-    step_rewards,
-    trained_steps,
-)
-
-__all__ = [
-    "POLICY_BAND",
-    "RM_BAND",
-    "accept_candidate",
-    "accuracy",
-    "adaptation_direction",
-    "failure_steps",
-    "in_band",
-    "policy_task_filter",
-    "precision_bound",
-    "programmatic_critique",
-    "rm_consistency_rewards",
-    "rm_task_filter",
-    "simulate_precision",
-    "step_advantages",
-    "step_rewards",
-    "trained_steps",
-]

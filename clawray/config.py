@@ -302,6 +302,10 @@ class EnvironmentsConfig(_Section):
     step_weighting: Literal["step", "trajectory"] = Field(
         "step", description="'trajectory' scales each step's GRPO advantage by mean steps / "
         "its episode's steps, so long failed episodes do not outweigh short successes.")
+    negative_scale: float = Field(
+        1.0, ge=0, le=1, description="Scale of negative advantages (1: plain GRPO; 0: learn "
+        "only from the better-than-average episodes of a group). docs/environments.md: on the "
+        "tiny model, pushing sampled wrong actions down also pushed the right ones down.")
     zero_advantage: Literal["keep_masked", "drop"] = Field(
         "keep_masked", description="Groups whose rollouts all scored the same carry no GRPO "
         "signal: keep their rows with loss mask 0 (logged, not trained) or drop them.")

@@ -162,6 +162,21 @@ def test_trajectory_weighting_gives_every_episode_the_same_total_weight(tiny_tok
         group_rows(eps, step_weighting="episode")
 
 
+def test_negative_scale_shrinks_only_the_worse_episodes_advantages(tiny_tokenizer):
+    eps = _group(tiny_tokenizer, [True, False, False, False])  # r = 1, 0, 0, 0: A = √3, -1/√3
+    half = group_rows(eps, negative_scale=0.5)
+    adv = {r["trajectory_id"]: r["advantage"] for r in half}
+    assert adv[eps[0].trajectory_id] == pytest.approx(3 ** 0.5)
+    assert adv[eps[1].trajectory_id] == pytest.approx(-0.5 / 3 ** 0.5)
+    masked = group_rows(eps, negative_scale=0.0)
+    assert {r["trajectory_id"] for r in masked if sum(r["loss_mask"])} == {eps[0].trajectory_id}
+    dropped = group_rows(eps, zero_advantage="drop", negative_scale=0.0)
+    assert {r["trajectory_id"] for r in dropped} == {eps[0].trajectory_id}
+    assert len(dropped) == len(eps[0].steps)
+    with pytest.raises(ValueError, match="negative_scale"):
+        group_rows(eps, negative_scale=1.5)
+
+
 def test_a_seeded_episode_gives_every_step_its_own_seed(tiny_tokenizer):
     from clawray.envs.rollout import STEP_SEED_STRIDE
 

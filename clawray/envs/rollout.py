@@ -22,6 +22,12 @@ learner's token mean a group's failures outweigh its successes by their length.
 ``step_weighting="trajectory"`` scales each step's advantage by ``mean_steps / steps`` of its
 episode (over the group), so every episode carries the same total weight; ``"step"`` keeps
 the plain per-step advantage.
+
+``negative_scale`` multiplies the negative advantages (1: plain GRPO). With 0 a group teaches
+only through its better-than-average episodes: on the tiny household model, pushing sampled
+wrong actions down also pushed the right ones down (their tokens overlap), and plain GRPO
+lowered held-out success while the positive-only update raised it (docs/environments.md).
+Episodes whose advantage becomes 0 get loss mask 0, or no rows with ``zero_advantage="drop"``.
 """
 
 from __future__ import annotations
@@ -150,7 +156,8 @@ def grpo_advantages(rewards: Sequence[float]) -> list[float]:
 
 
 def group_rows(episodes: Sequence[Episode], zero_advantage: str = "keep_masked",
-               source: str = "env", step_weighting: str = "step") -> list[dict[str, Any]]:
+               source: str = "env", step_weighting: str = "step",
+               negative_scale: float = 1.0) -> list[dict[str, Any]]:
     """Sample rows of one GRPO group (every episode of one task), in episode and step order.
 
     Zero-advantage groups are kept with loss mask 0 (``keep_masked``: written, never trained)
@@ -163,9 +170,14 @@ def group_rows(episodes: Sequence[Episode], zero_advantage: str = "keep_masked",
         advantages = [a * mean_steps / max(len(e.steps), 1) for e, a in zip(episodes, advantages)]
     elif step_weighting != "step":
         raise ValueError(f"step_weighting must be 'step' or 'trajectory', got {step_weighting!r}")
+    if not 0.0 <= negative_scale <= 1.0:
+        raise ValueError(f"negative_scale must be in [0, 1], got {negative_scale}")
+    advantages = [a * negative_scale if a < 0 else a for a in advantages]
     now = time.time()
     rows = []
     for ep, adv in zip(episodes, advantages):
+        if adv == 0 and zero_advantage == "drop":
+            continue  # e.g. a failed episode under negative_scale 0: nothing to train
         outcome = 1 if ep.success else -1
         for i, st in enumerate(ep.steps):
             rows.append(make_row(

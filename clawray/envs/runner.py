@@ -110,7 +110,8 @@ class EnvRunner:
                                    task.task_id, exc_info=True)
                     await asyncio.sleep(0.5)
             rows = group_rows(episodes, self.env_cfg.zero_advantage,
-                              step_weighting=self.env_cfg.step_weighting)
+                              step_weighting=self.env_cfg.step_weighting,
+                              negative_scale=self.env_cfg.negative_scale)
             if rows:
                 await self.buffer.add.remote(rows)  # durable before it returns
             rewards = [ep.reward for ep in episodes]

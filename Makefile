@@ -10,7 +10,7 @@ demo: setup
 	.venv/bin/python -m clawray.cli demo --out demo-output
 
 test: setup
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=25
 
 bench: setup
 	.venv/bin/python bench/serving.py

@@ -48,6 +48,23 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 1
 
 
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> str:
+    """``obj`` as JSON at ``path`` via a temp file in the same folder and ``os.replace``."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return str(p)
+
 class Curriculum:
     """The state behind ``CurriculumActor`` (no Ray)."""
 
@@ -173,20 +190,8 @@ class Curriculum:
         path = path or self.checkpoint_path
         if not path:
             raise ValueError("no checkpoint path: pass one to save() or to the constructor")
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
         self.counts["checkpoints"] += 1
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.state(), f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return str(p)
+        return write_json_atomic(path, self.state())
 
     def _load(self, state: dict[str, Any], sampler_kwargs: dict[str, Any] | None) -> None:
         if state.get("version") != STATE_VERSION:

@@ -39,7 +39,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from clawray.curriculum.actor import write_json_atomic
 from clawray.envs import EnvError, Task, TaskFamily, make_family
 from clawray.envs.base import Direction, SubBox
 from clawray.rlanything.core import accept_candidate, accuracy, adaptation_direction
@@ -413,21 +413,6 @@ def _check_result(r: Any, k: int) -> float:
     return accuracy(rewards)
 
 
-def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> str:
-    """``obj`` as JSON at ``path`` via a temp file in the same folder and ``os.replace``."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return str(p)
 
 
 def build_family(family_name: str, family_kwargs: dict[str, Any] | None = None,

@@ -7,6 +7,7 @@
     clawray sft [-c cfg.yaml]     # warm-start the policy on expert demos (cached), print its folder
     clawray rm-sft [-c cfg.yaml]  # warm-start the step-wise reward model on oracle-labelled steps
     clawray env-demo              # sft + GRPO on household tasks with a curriculum, before/after
+    clawray rla-table             # RLAnything's Table 1 (policy / +RM / +env) on household tasks
     clawray samples stats PATH    # the sample log: counts, rewards; `samples head PATH -n 5`
 """
 
@@ -104,7 +105,26 @@ def cmd_env_demo(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     return run_env_demo(cfg, Path(args.out), iterations=args.iterations, eval_n=args.eval_n,
-                        eval_every=args.eval_every, seed=args.seed)
+                        eval_every=args.eval_every, seed=args.seed, sft_seed=args.sft_seed,
+                        sets=args.set)
+
+
+def cmd_rla_table(args: argparse.Namespace) -> int:
+    from clawray.rlanything.experiment import run_table
+    from clawray.train import apply_sets, load_config
+
+    cfg = apply_sets(load_config(args.config), args.set).validate()
+    _prebuild(cfg)
+    try:
+        summary = run_table(cfg, Path(args.out), args.seeds, args.steps, args.rows.split(","),
+                            args.label_noise, args.eval_n, args.sft_seed)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    from clawray.rlanything.experiment import table_markdown
+
+    print(table_markdown(summary))
+    print(f"clawray rla-table: {args.out}/rla_table.json, rla_table.md, rla_table.png")
+    return 0
 
 
 def _prebuild(cfg: ClawRayConfig) -> None:
@@ -144,6 +164,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="flip this share of the oracle labels (an imperfect RM to co-train)")
     p.add_argument("--force", action="store_true", help="retrain even if cached")
     p.set_defaults(fn=cmd_rm_sft)
+    from clawray.rlanything.experiment import EVAL_TASKS, RM_LABEL_NOISE, ROWS, STEPS
+
+    p = sub.add_parser("rla-table", help="RLAnything's Table 1 on household tasks")
+    p.add_argument("-c", "--config", help="clawray YAML (model:, inference: ...)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--out", default="rla-table-output", help="where results go")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="RL seeds")
+    p.add_argument("--steps", type=int, default=STEPS, help="RLAnything steps per row")
+    p.add_argument("--rows", default=",".join(ROWS), help="rows, comma-separated")
+    p.add_argument("--eval-n", type=int, default=EVAL_TASKS, help="held-out tasks (x2 episodes)")
+    p.add_argument("--label-noise", type=float, default=RM_LABEL_NOISE,
+                   help="share of flipped labels in the RM's warm start")
+    p.add_argument("--sft-seed", type=int, default=0, help="seed of both warm starts")
+    p.set_defaults(fn=cmd_rla_table)
     for name, fn, help_ in (("serve", cmd_serve, "serve the policy model"),
                             ("demo", cmd_demo, "serve + train from simulated users"),
                             ("replay", cmd_replay, "serve + replay an OpenClaw session"),
@@ -159,7 +193,12 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--iterations", type=int, default=ENV_ITERATIONS)
             p.add_argument("--eval-n", type=int, default=EVAL_N)
             p.add_argument("--eval-every", type=int, default=10)
-            p.add_argument("--seed", type=int, default=0)
+            p.add_argument("--seed", type=int, default=0, help="seed of the RL run")
+            p.add_argument("--sft-seed", type=int, default=None,
+                           help="seed of the warm start (default: --seed)")
+            p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                           help="override one of the demo's settings, e.g. training.lr=1e-4 "
+                                "(repeatable)")
         if name == "demo":
             from clawray.demo import ITERATIONS, SEED, USERS
 

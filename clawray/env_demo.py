@@ -40,9 +40,17 @@ SEED = 0
 APP = "env-demo"
 
 
-def env_demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED) -> ClawRayConfig:
-    """The demo's settings on top of ``cfg`` (see docs/environments.md for what they do)."""
-    return cfg.copy_with(
+def env_demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED,
+                    sft_seed: int | None = None,
+                    sets: list[str] | None = None) -> ClawRayConfig:
+    """The demo's settings on top of ``cfg`` (see docs/environments.md for what they do).
+
+    ``seed`` seeds the RL run (runners, curriculum, learner); ``sft_seed`` (default: ``seed``)
+    the warm start, so several RL seeds can share one warm-started model; ``sets``
+    (``--set SECTION.KEY=VALUE`` overrides) are applied last.
+    """
+    sft_seed = seed if sft_seed is None else sft_seed
+    demo = cfg.copy_with(
         serving={"record_sink": ["none"]},
         buffer={"path": str(out / "samples"), "seal_age_s": 0.2, "max_staleness": 1},
         environments={"family": "household", "history_window": 0, "num_runners": 2,
@@ -53,12 +61,15 @@ def env_demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED) -> ClawRayC
         curriculum={"sampler": "alp_gmm", "max_difficulty": EVAL_MAX_DIFFICULTY,
                     "sampler_kwargs": {"fit_rate": 40, "random_task_ratio": 0.2}},
         sft={"tasks": 600, "steps": 200, "max_difficulty": 0.3, "eval_tasks": 0,
-             "seed": seed},
+             "seed": sft_seed},
         training={"app": APP, "mode": "env", "batch_size": 256, "min_batch": 64,
                   "take_timeout_s": 60.0, "lr": 3e-4, "zero_stage": 1,
                   "learner_num_cpus": 0.5, "seed": seed,
                   "checkpoint_dir": str(out / "checkpoints"),
                   "metrics_path": str(out / "metrics.jsonl")})
+    from clawray.train import apply_sets
+
+    return apply_sets(demo, sets or [])
 
 
 def held_out_tasks(cfg: ClawRayConfig, n: int, seed: int) -> list[Any]:
@@ -84,6 +95,7 @@ def run_env_learning(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS
         res = trainer.envs.evaluate(tasks, cfg.environments_cfg.temperature, EVAL_SEED)
         rate = float(np.mean([r["success"] for r in res]))
         evals.append({"iteration": iteration, "version": trainer.version, "success": rate,
+                      "stderr": float(np.sqrt(rate * (1 - rate) / max(len(res), 1))),
                       "n": len(res), "seconds": time.perf_counter() - t0})
         if progress:
             print(f"clawray env-demo: held-out success at iteration {iteration} "
@@ -138,7 +150,9 @@ def plot_env_progress(summary: dict[str, Any], path: Path) -> None:
 
 
 def run_env_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
-                 eval_n: int = EVAL_N, eval_every: int = 10, seed: int = SEED) -> int:
+                 eval_n: int = EVAL_N, eval_every: int = 10, seed: int = SEED,
+                 sft_seed: int | None = None,
+                 sets: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
@@ -149,7 +163,7 @@ def run_env_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
     for stale in ("samples", "samples-env", "checkpoints"):
         shutil.rmtree(out / stale, ignore_errors=True)
     (out / "metrics.jsonl").unlink(missing_ok=True)
-    cfg = env_demo_config(cfg, out, seed)
+    cfg = env_demo_config(cfg, out, seed, sft_seed, sets)
     t0 = time.monotonic()
     sft = run_sft(cfg)
     print(f"clawray env-demo: warm-started model {sft.path} "
@@ -162,7 +176,8 @@ def run_env_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
         summary = run_env_learning(cfg, out, iterations, eval_n, eval_every, seed=seed)
     finally:
         ray.shutdown()
-    summary.update(seed=seed, iterations=iterations, sft=sft.info, seconds=time.monotonic() - t0)
+    summary.update(seed=seed, sft_seed=cfg.sft_cfg.seed, sets=sets or [],
+                   iterations=iterations, sft=sft.info, seconds=time.monotonic() - t0)
     (out / "env_summary.json").write_text(json.dumps(summary, indent=2))
     plot_env_progress(summary, out / "env_progress.png")
     print(f"clawray env-demo: held-out success {summary['before']['success']:.1%} → "

@@ -95,6 +95,11 @@ class StepScorer:
                 texts = await self.backend.complete(request, r.m, r.temperature, r.max_tokens)
         return ScoredStep(ctx, [parse_step_score(t) for t in texts], samples)
 
+    async def score_steps(self, contexts: Sequence[StepContext]) -> list[ScoredStep]:
+        """Each step scored m times (an evaluation set of steps, outside any episode)."""
+        sem = asyncio.Semaphore(SCORING_CONCURRENCY)
+        return list(await asyncio.gather(*(self._one(c, sem) for c in contexts)))
+
     async def score(self, groups: Sequence[Sequence[Episode]]) -> list[list[list[ScoredStep]]]:
         """``out[task][rollout][step]``, every step of every episode scored."""
         sem = asyncio.Semaphore(SCORING_CONCURRENCY)

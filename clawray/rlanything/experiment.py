@@ -1,0 +1,254 @@
+"""``clawray rla-table``: RLAnything's Table 1 on the household family, on CPU.
+
+Three rows, as in the paper: the policy trained with the step-wise RM's rewards (``policy``);
+the RM co-trained as well (``policy+rm``); and the environment adapted too (``policy+rm+env``).
+For every seed the rows share one warm start: the policy from ``clawray sft`` (the env-demo's
+settings) and the RM from ``clawray rm-sft`` on that policy's steps (with label noise, so the
+RM starts imperfect). Each row then runs ``steps`` synchronous RLAnything steps through the real
+system (a Serve app with the PolicyServer and a JudgeServer, env runners, both learners) and
+measures, before and after:
+
+- (i) the policy's success on held-out household tasks (never trained on: their own seed),
+  played through serving with fixed per-step seeds (the env-demo's evaluation);
+- (ii) the RM's step accuracy against the environment's step oracle on a fixed held-out set
+  of steps (the warm-started policy's steps on held-out tasks), ``rlanything.m`` scorings each
+  through the JudgeServer (``rm_sft.step_accuracy``: single scorings, majority, unparseable);
+- (iii) the environment adapter's accepted rewrites, step by step.
+
+The "before" numbers are measured once per seed, in the first row: every row starts from the
+same weights, and the policy's evaluation is seeded. Results: ``rla_table.json`` (everything),
+``rla_table.md`` (the table, mean and spread over seeds) and ``rla_table.png``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from clawray.config import ClawRayConfig
+
+APP = "rla-table"
+ROWS: dict[str, dict[str, bool]] = {
+    "policy": {"co_train_rm": False, "adapt_env": False},
+    "policy+rm": {"co_train_rm": True, "adapt_env": False},
+    "policy+rm+env": {"co_train_rm": True, "adapt_env": True},
+}
+STEPS = 8
+EVAL_TASKS = 100
+EVAL_STEP_TASKS = 40
+RM_LABEL_NOISE = 0.2
+STEP_KEYS = ("policy_version", "rm_version", "samples", "rla_success", "rla_active_success",
+             "rla_policy_rows", "rla_rm_rows", "rm_step_acc", "rm_majority_acc",
+             "rm_unparseable", "env_proposed", "env_accepted", "env_rejected",
+             "time_rollout_s", "time_rm_score_s", "time_rm_update_s")
+
+
+def table_config(cfg: ClawRayConfig, out: Path, row: str, seed: int, policy: str,
+                 rm: str) -> ClawRayConfig:
+    """One row's settings: the env-demo's environment, the warm starts, the row's switches."""
+    from clawray.env_demo import EVAL_MAX_DIFFICULTY, env_demo_config
+
+    if row not in ROWS:
+        raise ValueError(f"unknown row {row!r}; the rows are {', '.join(ROWS)}")
+    run = out / f"seed{seed}" / row.replace("+", "_")
+    return env_demo_config(cfg, run, seed).copy_with(
+        model={"path": policy},
+        environments={"group_size": 6},
+        curriculum={"max_difficulty": EVAL_MAX_DIFFICULTY},
+        rlanything={"m": 3, "temperature": 0.8, "max_tokens": 8, "rm_backend": "server",
+                    "rm_model_path": rm, "slots": 6, **ROWS[row],
+                    "checkpoint_path": str(run / "env_adapter.json")},
+        training={"app": APP, "mode": "rlanything", "batch_size": 4096, "min_batch": 1,
+                  "lr": 1e-4, "take_timeout_s": 30.0})
+
+
+def warm_starts(cfg: ClawRayConfig, sft_seed: int, label_noise: float) -> tuple[str, str]:
+    """The policy (``clawray sft``, seeded ``sft_seed``) and the RM (``clawray rm-sft`` on that
+    policy's steps) every row starts from; both cached by their settings."""
+    from clawray.env_demo import EVAL_MAX_DIFFICULTY, env_demo_config
+    from clawray.rlanything.rm_sft import run_rm_sft
+    from clawray.sft import run_sft
+
+    demo = env_demo_config(cfg, Path("."), sft_seed)
+    policy = run_sft(demo).path
+    rm = run_rm_sft(demo, policy, n_tasks=200, max_difficulty=EVAL_MAX_DIFFICULTY,
+                    label_noise=label_noise).path
+    return str(policy), str(rm)
+
+
+def measure(trainer: Any, cfg: ClawRayConfig, tasks: list[Any], contexts: list[Any],
+            eval_seed: int) -> dict[str, Any]:
+    """(i) held-out policy success through serving; (ii) RM step accuracy on ``contexts``."""
+    from clawray.rlanything.loop import StepScorer
+    from clawray.rlanything.rm_sft import step_accuracy
+
+    t0 = time.perf_counter()
+    res = trainer.envs.evaluate(tasks, cfg.environments_cfg.temperature, eval_seed)
+    rate = float(np.mean([r["success"] for r in res]))
+    scored = asyncio.run(StepScorer(cfg, trainer.app).score_steps(contexts))
+    rm = step_accuracy([c.progress for c in contexts], [s.scores for s in scored])
+    return {"success": rate, "success_stderr": float(np.sqrt(rate * (1 - rate) / len(res))),
+            "episodes": len(res), "rm": rm, "policy_version": trainer.version,
+            "seconds": time.perf_counter() - t0}
+
+
+def run_row(cfg: ClawRayConfig, steps: int, tasks: list[Any], contexts: list[Any],
+            before: dict[str, Any] | None, log: Callable[[str], None]) -> dict[str, Any]:
+    """One row on its own local Ray cluster and Serve app; ``before`` measured if None."""
+    import ray
+    from ray import serve
+
+    from clawray.env_demo import EVAL_SEED
+    from clawray.serve.app import build_app
+    from clawray.trainer import Trainer
+
+    t0 = time.monotonic()
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": cfg.serving_cfg.port})
+        serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
+        trainer = Trainer(config=cfg.to_dict())
+        try:
+            if before is None:
+                before = measure(trainer, cfg, tasks, contexts, EVAL_SEED)
+                log(f"  before: held-out success {before['success']:.1%}, RM step accuracy "
+                    f"{before['rm']['step_acc']:.3f} (majority {before['rm']['majority_acc']:.3f})")
+            per_step = []
+            for i in range(1, steps + 1):
+                r = trainer.train()
+                per_step.append({"step": i, **{k: r.get(k) for k in STEP_KEYS}})
+                log(f"  step {i}/{steps}: success {r.get('rla_success', 0):.2f}, policy rows "
+                    f"{r.get('rla_policy_rows')}, RM rows {r.get('rla_rm_rows')}, rewrites "
+                    f"accepted {r.get('env_accepted')}/{r.get('env_proposed')} proposed")
+            after = measure(trainer, cfg, tasks, contexts, EVAL_SEED)
+            adapter = trainer.rla.metrics()
+        finally:
+            trainer.stop()
+    finally:
+        ray.shutdown()
+    log(f"  after: held-out success {after['success']:.1%}, RM step accuracy "
+        f"{after['rm']['step_acc']:.3f} (majority {after['rm']['majority_acc']:.3f})")
+    return {"before": before, "after": after, "steps": per_step,
+            "accepted_total": sum(s["env_accepted"] or 0 for s in per_step),
+            "env_adapter": adapter, "seconds": time.monotonic() - t0}
+
+
+def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], steps: int = STEPS,
+              rows: list[str] | None = None, label_noise: float = RM_LABEL_NOISE,
+              eval_tasks: int = EVAL_TASKS, sft_seed: int = 0,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every row for every seed (the RL run's seed; all start from the warm starts of
+    ``sft_seed``); writes and returns the summary."""
+    from clawray.env_demo import EVAL_MAX_DIFFICULTY, EVAL_SAMPLES, held_out_tasks
+    from clawray.rlanything.rm_sft import EVAL_SEED_OFFSET, collect_steps
+
+    rows = rows or list(ROWS)
+    for row in rows:
+        if row not in ROWS:
+            raise ValueError(f"unknown row {row!r}; the rows are {', '.join(ROWS)}")
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, dict[str, Any]] = {row: {} for row in rows}
+    t0 = time.monotonic()
+    policy, rm = warm_starts(cfg, sft_seed, label_noise)
+    log(f"warm starts: policy {policy}, RM {rm}")
+    for seed in seeds:
+        first = table_config(cfg, out, rows[0], seed, policy, rm)
+        tasks = held_out_tasks(first, eval_tasks, seed) * EVAL_SAMPLES
+        contexts = collect_steps(policy, first, EVAL_STEP_TASKS, EVAL_MAX_DIFFICULTY,
+                                 seed + EVAL_SEED_OFFSET)
+        before = None
+        for row in rows:
+            log(f"seed {seed}, row {row}:")
+            result = run_row(table_config(cfg, out, row, seed, policy, rm), steps, tasks,
+                             contexts, before, log)
+            before = result["before"]
+            runs[row][str(seed)] = result
+            summary = summarize(runs, seeds, steps, label_noise, time.monotonic() - t0)
+            summary.update(policy=policy, rm=rm, sft_seed=sft_seed)
+            (out / "rla_table.json").write_text(json.dumps(summary, indent=2))
+    (out / "rla_table.md").write_text(table_markdown(summary))
+    plot_table(summary, out / "rla_table.png")
+    return summary
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    arr = np.asarray([v for v in values if v is not None], dtype=float)
+    if not len(arr):
+        return {"mean": None, "std": None, "n": 0, "values": []}
+    return {"mean": float(arr.mean()), "std": float(arr.std()), "n": int(len(arr)),
+            "values": [float(v) for v in arr]}
+
+
+def summarize(runs: dict[str, dict[str, Any]], seeds: list[int], steps: int,
+              label_noise: float, seconds: float) -> dict[str, Any]:
+    """Per row: mean and spread over seeds of each measure, before and after."""
+    table = {}
+    for row, by_seed in runs.items():
+        rs = list(by_seed.values())
+        table[row] = {
+            "seeds": list(by_seed),
+            "success_before": _spread([r["before"]["success"] for r in rs]),
+            "success_after": _spread([r["after"]["success"] for r in rs]),
+            "rm_step_acc_before": _spread([r["before"]["rm"]["step_acc"] for r in rs]),
+            "rm_step_acc_after": _spread([r["after"]["rm"]["step_acc"] for r in rs]),
+            "rm_majority_acc_before": _spread([r["before"]["rm"]["majority_acc"] for r in rs]),
+            "rm_majority_acc_after": _spread([r["after"]["rm"]["majority_acc"] for r in rs]),
+            "accepted_rewrites": _spread([r["accepted_total"] for r in rs]),
+        }
+    return {"rows": table, "runs": runs, "seeds": seeds, "steps": steps,
+            "rm_label_noise": label_noise, "seconds": seconds}
+
+
+def table_markdown(summary: dict[str, Any]) -> str:
+    def cell(s: dict[str, Any], pct: bool) -> str:
+        if s["mean"] is None:
+            return "-"
+        f = (lambda v: f"{100 * v:.1f} %") if pct else (lambda v: f"{v:.3f}")
+        return f(s["mean"]) + (f" ± {f(s['std'])}" if s["n"] > 1 else "")
+
+    lines = [f"Seeds {summary['seeds']}, {summary['steps']} steps per row "
+             f"(mean ± std over seeds).", "",
+             "| row | held-out success before | after | RM step acc before | after "
+             "| RM majority acc before | after | accepted rewrites |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row, t in summary["rows"].items():
+        lines.append(
+            f"| {row} | {cell(t['success_before'], True)} | {cell(t['success_after'], True)} "
+            f"| {cell(t['rm_step_acc_before'], False)} | {cell(t['rm_step_acc_after'], False)} "
+            f"| {cell(t['rm_majority_acc_before'], False)} "
+            f"| {cell(t['rm_majority_acc_after'], False)} "
+            f"| {cell(t['accepted_rewrites'], False)} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_table(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(summary["rows"])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    x = np.arange(len(rows))
+    for ax, key, title in ((axes[0], "success", "held-out policy success"),
+                           (axes[1], "rm_step_acc", "RM step accuracy (vs step oracle)")):
+        for k, (when, off) in enumerate((("before", -0.2), ("after", 0.2))):
+            s = [summary["rows"][r][f"{key}_{when}"] for r in rows]
+            ax.bar(x + off, [v["mean"] or 0 for v in s], 0.4, yerr=[v["std"] or 0 for v in s],
+                   label=when, color=f"C{k}")
+        ax.set(title=title, xticks=x, xticklabels=rows, ylim=(0, 1))
+        ax.legend()
+    for row in rows:
+        for seed, run in summary["runs"][row].items():
+            acc = np.cumsum([s["env_accepted"] or 0 for s in run["steps"]])
+            axes[2].plot(range(1, len(acc) + 1), acc, ".-", label=f"{row} (seed {seed})")
+    axes[2].set(title="accepted rewrites (cumulative)", xlabel="step")
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

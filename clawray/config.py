@@ -153,6 +153,15 @@ class SessionsConfig(_Section):
     regenerate_reward: float | None = Field(
         -1.0, description="Reward of a reply the user regenerated or edited; null: no sample."
     )
+    reward_rule: Literal["majority", "rlanything"] = Field(
+        "majority",
+        description="A live turn's reward: the PRM majority (explicit turn feedback overrides "
+                    "it), or RLAnything's R = O + (step_score_weight/m) * sum(votes) with O the "
+                    "turn's or session's feedback (0 when none) (docs/rlanything.md).",
+    )
+    step_score_weight: float = Field(
+        1.0, ge=0, description="lambda of reward_rule 'rlanything': the weight of the votes."
+    )
     sample_kinds: list[Literal["rl", "opd", "combine"]] = Field(
         default_factory=lambda: ["rl"], description="Samples produced per judged turn."
     )

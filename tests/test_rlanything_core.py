@@ -307,3 +307,15 @@ def test_parse_step_score_reads_the_verdict_after_quoted_examples():
     text = f"The prompt says:\n{examples}\nNothing happened after the action.\n\\boxed{{-1}}"
     assert parse_step_score(text) == -1
     assert parse_step_score(f"{examples}\nIt found the apple. \\boxed{{1}}") == 1
+
+
+def test_live_turn_reward_is_outcome_plus_weighted_mean_vote():
+    from clawray.rlanything.core import live_turn_reward
+
+    assert live_turn_reward(None, [1, 1, -1]) == pytest.approx(1 / 3)
+    assert live_turn_reward(1, [1, 0, None], lam=2.0) == pytest.approx(1 + 2 / 3)
+    assert live_turn_reward(-1, []) == -1.0 and live_turn_reward(None, []) == 0.0
+    with pytest.raises(ValueError, match="outcome must be"):
+        live_turn_reward(0, [1])
+    with pytest.raises(ValueError, match="vote 1: must be"):
+        live_turn_reward(None, [1, 2])

@@ -128,3 +128,31 @@ def test_pool_drops_hint_when_teacher_misaligned_or_votes_disagree():
                   teacher=lambda ids: [-0.1] * len(ids))
     v = asyncio.run(VoterPool([lone], JudgeConfig(opd_min_agree=2), ["opd"]).judge(_job()))
     assert v.hint is None  # a single vote is not enough agreement
+
+
+RLA = SessionRules(reward_rule="rlanything", step_score_weight=1.0)
+
+
+@pytest.mark.parametrize("f,reward,mask", [
+    # R = O + (λ/m) Σ S: no feedback, O = 0; an unparseable vote counts 0 but counts in m.
+    (fin(votes=(1, 1, None)), 2 / 3, 1),
+    (fin(votes=(1, -1, None)), 0.0, 0),
+    # Turn feedback is the outcome and the votes still add (the majority rule lets it override).
+    (fin(votes=(1, 1, 1), outcome=-1, outcome_scope="turn"), 0.0, 0),
+    (fin(votes=(-1, 1, 1), outcome=1, outcome_scope="turn"), 1 + 1 / 3, 1),
+    # Session feedback is the outcome of every turn it reaches (majority: outcome column only).
+    (fin(votes=(-1, -1, -1), outcome=-1, outcome_scope="session"), -2.0, 1),
+    (fin("no_next_state"), 0.0, 0),
+    (fin("no_next_state", outcome=1, outcome_scope="session"), 1.0, 1),
+    (fin("regenerated"), -1.0, 1),
+])
+def test_rlanything_rule_makes_a_turn_one_step_with_feedback_as_outcome(f, reward, mask):
+    (row,) = rows_of(f, ["rl"], RLA)
+    assert row["reward"] == pytest.approx(reward) and row["loss_mask"] == [mask] * 3
+    rows_to_batch([row])
+
+
+def test_rlanything_rule_weighs_the_votes_by_lambda():
+    f = fin(votes=(1, 1, -1), outcome=-1, outcome_scope="turn")
+    (row,) = rows_of(f, ["rl"], SessionRules(reward_rule="rlanything", step_score_weight=0.5))
+    assert row["reward"] == pytest.approx(-1 + 0.5 / 3)

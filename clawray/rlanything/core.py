@@ -70,6 +70,21 @@ def step_rewards(outcome: int, scores: Sequence[Sequence[Score]],
     return rewards
 
 
+def live_turn_reward(outcome: int | None, votes: Sequence[int | None],
+                     lam: float = 1.0) -> float:
+    """A live turn as one RLAnything step: ``R = O + (lam / m) Σ_j S_j``, its m PRM votes the
+    scores and explicit feedback the outcome ``O`` (``None``: no feedback, so ``O = 0`` and the
+    votes alone decide). A live PRM vote may also be 0 (neutral, REFERENCE §3); like an
+    unparseable vote (``None``) it adds nothing but counts in m. No votes: ``R = O``."""
+    if outcome is not None and (isinstance(outcome, bool) or outcome not in (-1, 1)):
+        raise ValueError(f"outcome must be +1, -1 or None (no feedback), got {outcome!r}")
+    for j, v in enumerate(votes):
+        if v is not None and (isinstance(v, bool) or v not in (-1, 0, 1)):
+            raise ValueError(f"vote {j}: must be -1, 0, 1 or None (unparseable), got {v!r}")
+    o = float(outcome or 0)
+    return o + lam * sum(v for v in votes if v is not None) / len(votes) if votes else o
+
+
 def step_advantages(rewards_per_rollout: Sequence[Sequence[float]],
                     single: SingleRule = "zero") -> list[list[float]]:
     """Per-step advantages of one task's rollouts (``rewards_per_rollout[τ][i] = R[τ,i]``).

@@ -40,6 +40,8 @@ class SessionRules:
     history_turns: int = 4
     at_least_one: bool = True
     regenerate_reward: float | None = -1.0
+    reward_rule: str = "majority"
+    step_score_weight: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: Any) -> "SessionRules":

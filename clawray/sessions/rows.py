@@ -6,6 +6,12 @@ Per turn, for each kind in ``sessions.sample_kinds``:
   non-zero, else all 0. Explicit feedback on the turn overrides the vote (the user is the
   ground truth); a regenerated reply gets ``sessions.regenerate_reward``; an at-least-one row
   gets the soft score (mean of valid votes). Session-level feedback fills ``outcome`` only.
+  With ``sessions.reward_rule: rlanything`` the turn is one RLAnything step instead: its m
+  PRM votes are the step scores and explicit feedback (on the turn, else on the session) is
+  the outcome, ``R = O + (λ/m) Σ S`` (``core.live_turn_reward``; O = 0 without feedback, an
+  unparseable vote counts 0). A live turn is never replayed, so there is no group of rollouts
+  to standardize over: ``R`` is the row's reward, as the single-rollout ``raw`` rule of the
+  environments has it (docs/rlanything.md, "Live sessions").
 - ``opd``: only when a hint was selected and teacher log-probs exist; mask all 1.
 - ``combine``: one row with both the reward and (when present) the teacher log-probs; the
   learner computes ``w_opd·(teacher − rollout) + w_rl·r``.
@@ -24,6 +30,13 @@ from clawray.sessions.core import FinishedTurn, SessionRules, score_of
 
 
 def rl_reward(fin: FinishedTurn, rules: SessionRules) -> float:
+    if fin.status == "regenerated":
+        return float(rules.regenerate_reward or 0.0)
+    if rules.reward_rule == "rlanything":
+        from clawray.rlanything.core import live_turn_reward
+
+        votes = fin.verdict.votes if fin.verdict is not None else []
+        return live_turn_reward(fin.outcome, votes, rules.step_score_weight)
     if fin.outcome_scope == "turn" and fin.outcome is not None:
         return float(fin.outcome)
     if fin.status == "regenerated":

@@ -119,7 +119,8 @@ def run_env_learning(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS
             "curriculum": {k: curriculum.get(k) for k in
                            ("trajectory", "difficulty_histogram", "reported", "episodes",
                             "success_rate", "mean_difficulty")},
-            "eval_max_difficulty": EVAL_MAX_DIFFICULTY}
+            "eval_max_difficulty": EVAL_MAX_DIFFICULTY,
+            "sampler": cfg.curriculum_cfg.sampler}
 
 
 def plot_env_progress(summary: dict[str, Any], path: Path) -> None:
@@ -143,7 +144,8 @@ def plot_env_progress(summary: dict[str, Any], path: Path) -> None:
         axes[2].plot(eps, diff, label="mean sampled difficulty")
         axes[2].plot(eps, succ, label="recent success")
         axes[2].legend()
-    axes[2].set(title="curriculum (ALP-GMM)", xlabel="episodes", ylim=(0, 1))
+    axes[2].set(title=f"curriculum ({summary.get('sampler', 'alp_gmm')})", xlabel="episodes",
+                ylim=(0, 1))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -48,9 +48,9 @@ def load_config(path: str | None, app: str | None = None) -> ClawRayConfig:
 def apply_sets(cfg: ClawRayConfig, items: list[str]) -> ClawRayConfig:
     """``--set section.key=value`` overrides (values parsed as YAML)."""
     for item in items:
-        key, _, value = item.partition("=")
-        section, _, field = key.partition(".")
-        if not (section and field and _):
+        key, eq, value = item.partition("=")
+        section, dot, field = key.strip().partition(".")
+        if not (eq and dot and section and field):
             raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE")
         cfg = cfg.copy_with(**{section: {field: yaml.safe_load(value)}})
     return cfg

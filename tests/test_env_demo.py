@@ -1,0 +1,41 @@
+"""``clawray env-demo``'s settings (seeds, ``--set`` overrides) and its plot; the run itself
+takes ~14 min on 2 cores (its measured numbers: docs/environments.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from clawray.config import ClawRayConfig, ConfigError
+from clawray.env_demo import env_demo_config, plot_env_progress
+
+
+def test_seed_seeds_the_run_and_sft_seed_the_warm_start(tmp_path):
+    c = env_demo_config(ClawRayConfig(), tmp_path, seed=2)
+    assert (c.environments_cfg.seed, c.training_cfg.seed, c.sft_cfg.seed) == (2, 2, 2)
+    c = env_demo_config(ClawRayConfig(), tmp_path, seed=2, sft_seed=0)
+    assert (c.environments_cfg.seed, c.training_cfg.seed, c.sft_cfg.seed) == (2, 2, 0)
+    assert c.buffer_cfg.path == str(tmp_path / "samples")
+
+
+def test_sets_override_the_demo_settings_last(tmp_path):
+    c = env_demo_config(ClawRayConfig(), tmp_path, sets=[
+        "curriculum.sampler=uniform", "curriculum.sampler_kwargs={}", "training.lr=2e-4",
+        "environments.negative_scale=1"])
+    assert c.curriculum_cfg.sampler == "uniform" and c.curriculum_cfg.sampler_kwargs == {}
+    assert c.training_cfg.lr == pytest.approx(2e-4)
+    assert c.environments_cfg.negative_scale == 1.0
+    assert c.environments_cfg.family == "household"  # the rest stays the demo's
+    with pytest.raises(ConfigError, match="expected SECTION.KEY=VALUE"):
+        env_demo_config(ClawRayConfig(), tmp_path, sets=["training.lr"])
+    with pytest.raises(ConfigError):
+        env_demo_config(ClawRayConfig(), tmp_path, sets=["training.lr=fast"])
+
+
+def test_progress_plot_draws_evals_training_and_the_curriculum(tmp_path):
+    summary = {"evals": [{"iteration": 0, "success": 0.2, "n": 200},
+                         {"iteration": 10, "success": 0.3, "n": 200}],
+               "train": [{"iteration": i, "env_success": 0.25} for i in range(1, 11)],
+               "curriculum": {"trajectory": [[64, 0.15, 0.2], [128, 0.16, 0.3]]},
+               "sampler": "uniform"}
+    plot_env_progress(summary, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 10_000

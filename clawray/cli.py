@@ -104,9 +104,13 @@ def cmd_env_demo(args: argparse.Namespace) -> int:
     from clawray.env_demo import run_env_demo
 
     cfg = _config(args)
-    return run_env_demo(cfg, Path(args.out), iterations=args.iterations, eval_n=args.eval_n,
-                        eval_every=args.eval_every, seed=args.seed, sft_seed=args.sft_seed,
-                        sets=args.set)
+    kwargs = {"iterations": args.iterations, "eval_n": args.eval_n,
+              "eval_every": args.eval_every, "sets": args.set}
+    if args.seeds:
+        from clawray.env_demo import run_env_demo_seeds
+
+        return run_env_demo_seeds(cfg, Path(args.out), args.seeds, args.sft_seed, **kwargs)
+    return run_env_demo(cfg, Path(args.out), seed=args.seed, sft_seed=args.sft_seed, **kwargs)
 
 
 def cmd_rla_table(args: argparse.Namespace) -> int:
@@ -194,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--eval-n", type=int, default=EVAL_N)
             p.add_argument("--eval-every", type=int, default=10)
             p.add_argument("--seed", type=int, default=0, help="seed of the RL run")
+            p.add_argument("--seeds", type=int, nargs="+",
+                           help="one run per seed (OUT/seed<k>), then their summary")
             p.add_argument("--sft-seed", type=int, default=None,
                            help="seed of the warm start (default: --seed)")
             p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

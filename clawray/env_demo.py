@@ -151,6 +151,67 @@ def plot_env_progress(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def aggregate_seeds(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several seeds' ``env_summary.json``: per seed the held-out curve and its rise, and over
+    seeds the mean and (population) spread of before, after and the rise."""
+    per_seed = [{"seed": s.get("seed"), "before": s["before"]["success"],
+                 "after": s["after"]["success"],
+                 "rise": s["after"]["success"] - s["before"]["success"],
+                 "n": s["after"]["n"],
+                 "curve": [[e["iteration"], e["success"]] for e in s["evals"]]}
+                for s in summaries]
+
+    def stat(key: str) -> dict[str, float]:
+        v = np.asarray([p[key] for p in per_seed], dtype=float)
+        return {"mean": float(v.mean()), "std": float(v.std()), "min": float(v.min()),
+                "max": float(v.max())}
+
+    rises = np.asarray([p["rise"] for p in per_seed], dtype=float)
+    return {"seeds": per_seed, "before": stat("before"), "after": stat("after"),
+            "rise": stat("rise"), "rose_in": int((rises > 0).sum()), "runs": len(per_seed),
+            # The rise's standard error from the seeds' spread (n - 1 in the variance).
+            "rise_stderr": float(rises.std(ddof=1) / np.sqrt(len(rises))) if len(rises) > 1
+            else None}
+
+
+def plot_seeds(agg: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for p in agg["seeds"]:
+        it, succ = zip(*p["curve"])
+        ax.plot(it, succ, "o-", label=f"seed {p['seed']}")
+    r = agg["rise"]
+    ax.set(title=f"held-out success, {agg['runs']} seeds: rise {r['mean']:+.1%} "
+                 f"(min {r['min']:+.1%})", xlabel="iteration", ylabel="success rate",
+           ylim=(0, max(0.6, max(s for p in agg["seeds"] for _, s in p["curve"]) + 0.1)))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_env_demo_seeds(cfg: ClawRayConfig, out: Path, seeds: list[int], sft_seed: int | None,
+                       **kwargs: Any) -> int:
+    """``run_env_demo`` once per seed (``out/seed<k>``), then ``env_seeds.json`` and
+    ``env_seeds.png`` in ``out``; 0 if held-out success rose in every seed."""
+    summaries = []
+    for seed in seeds:
+        run_env_demo(cfg, out / f"seed{seed}", seed=seed, sft_seed=sft_seed, **kwargs)
+        summaries.append(json.loads((out / f"seed{seed}" / "env_summary.json").read_text()))
+    agg = aggregate_seeds(summaries)
+    (out / "env_seeds.json").write_text(json.dumps(agg, indent=2))
+    plot_seeds(agg, out / "env_seeds.png")
+    r = agg["rise"]
+    print(f"clawray env-demo: {agg['runs']} seeds, held-out success {agg['before']['mean']:.1%} "
+          f"→ {agg['after']['mean']:.1%}; rise {r['mean']:+.1%} ± {r['std']:.1%} (min "
+          f"{r['min']:+.1%}), rose in {agg['rose_in']} of {agg['runs']}; {out / 'env_seeds.png'}")
+    return 0 if agg["rose_in"] == agg["runs"] else 1
+
+
 def run_env_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
                  eval_n: int = EVAL_N, eval_every: int = 10, seed: int = SEED,
                  sft_seed: int | None = None,

@@ -39,3 +39,24 @@ def test_progress_plot_draws_evals_training_and_the_curriculum(tmp_path):
                "sampler": "uniform"}
     plot_env_progress(summary, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def summary(seed: int, curve: list[float]) -> dict:
+    evals = [{"iteration": 10 * i, "success": s, "n": 200} for i, s in enumerate(curve)]
+    return {"seed": seed, "evals": evals, "before": evals[0], "after": evals[-1]}
+
+
+def test_seeds_are_summarized_by_their_rises_and_plotted(tmp_path):
+    from clawray.env_demo import aggregate_seeds, plot_seeds
+
+    agg = aggregate_seeds([summary(0, [0.2, 0.3]), summary(1, [0.2, 0.25, 0.1]),
+                           summary(2, [0.3, 0.4])])
+    assert [p["rise"] for p in agg["seeds"]] == pytest.approx([0.1, -0.1, 0.1])
+    assert agg["rise"]["mean"] == pytest.approx(0.1 / 3) and agg["rise"]["min"] == -0.1
+    assert agg["rose_in"] == 2 and agg["runs"] == 3
+    assert agg["before"]["mean"] == pytest.approx(0.7 / 3)
+    # sample std of (0.1, -0.1, 0.1) is 0.11547; over sqrt(3) seeds
+    assert agg["rise_stderr"] == pytest.approx(0.11547 / 3 ** 0.5, rel=1e-3)
+    assert agg["seeds"][1]["curve"] == [[0, 0.2], [10, 0.25], [20, 0.1]]
+    plot_seeds(agg, tmp_path / "s.png")
+    assert (tmp_path / "s.png").stat().st_size > 10_000

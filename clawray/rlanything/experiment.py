@@ -244,6 +244,15 @@ def plot_table(summary: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = draw_table(summary)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def draw_table(summary: dict[str, Any]) -> Any:
+    """The table's figure: success and RM accuracy before/after per row, accepted rewrites."""
+    import matplotlib.pyplot as plt
+
     rows = list(summary["rows"])
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     x = np.arange(len(rows))
@@ -262,5 +271,4 @@ def plot_table(summary: dict[str, Any], path: Path) -> None:
     axes[2].set(title="accepted rewrites (cumulative)", xlabel="step")
     axes[2].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

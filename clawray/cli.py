@@ -114,7 +114,7 @@ def cmd_env_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_rla_table(args: argparse.Namespace) -> int:
-    from clawray.rlanything.experiment import run_table
+    from clawray.rlanything.experiment import run_table, table_markdown
     from clawray.train import apply_sets, load_config
 
     cfg = apply_sets(load_config(args.config), args.set).validate()
@@ -124,8 +124,6 @@ def cmd_rla_table(args: argparse.Namespace) -> int:
                             args.label_noise, args.eval_n, args.sft_seed)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    from clawray.rlanything.experiment import table_markdown
-
     print(table_markdown(summary))
     print(f"clawray rla-table: {args.out}/rla_table.json, rla_table.md, rla_table.png")
     return 0

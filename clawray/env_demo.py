@@ -84,6 +84,15 @@ def held_out_tasks(cfg: ClawRayConfig, n: int, seed: int) -> list[Any]:
     return demo_tasks(family, n, EVAL_MAX_DIFFICULTY, seed + 7_777_777)
 
 
+def held_out_success(trainer: Any, cfg: ClawRayConfig, tasks: list[Any]) -> dict[str, Any]:
+    """``tasks`` played through serving by the trainer's runners, seeded (``EVAL_SEED``) at
+    the training temperature: the success rate, its binomial standard error and ``n``."""
+    res = trainer.envs.evaluate(tasks, cfg.environments_cfg.temperature, EVAL_SEED)
+    rate = float(np.mean([r["success"] for r in res]))
+    return {"success": rate, "stderr": float(np.sqrt(rate * (1 - rate) / max(len(res), 1))),
+            "n": len(res)}
+
+
 def run_env_learning(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
                      eval_n: int = EVAL_N, eval_every: int = 10, seed: int = SEED,
                      progress: bool = True) -> dict[str, Any]:
@@ -96,14 +105,12 @@ def run_env_learning(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS
 
     def evaluate(iteration: int) -> None:
         t0 = time.perf_counter()
-        res = trainer.envs.evaluate(tasks, cfg.environments_cfg.temperature, EVAL_SEED)
-        rate = float(np.mean([r["success"] for r in res]))
-        evals.append({"iteration": iteration, "version": trainer.version, "success": rate,
-                      "stderr": float(np.sqrt(rate * (1 - rate) / max(len(res), 1))),
-                      "n": len(res), "seconds": time.perf_counter() - t0})
+        held = held_out_success(trainer, cfg, tasks)
+        evals.append({"iteration": iteration, "version": trainer.version, **held,
+                      "seconds": time.perf_counter() - t0})
         if progress:
             print(f"clawray env-demo: held-out success at iteration {iteration} "
-                  f"(v{trainer.version}): {rate:.1%} of {len(res)}", flush=True)
+                  f"(v{trainer.version}): {held['success']:.1%} of {held['n']}", flush=True)
 
     try:
         evaluate(0)

@@ -48,7 +48,6 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 1
 
 
-
 def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> str:
     """``obj`` as JSON at ``path`` via a temp file in the same folder and ``os.replace``."""
     p = Path(path)
@@ -64,6 +63,7 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> str:
         Path(tmp).unlink(missing_ok=True)
         raise
     return str(p)
+
 
 class Curriculum:
     """The state behind ``CurriculumActor`` (no Ray)."""

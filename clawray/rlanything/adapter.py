@@ -413,8 +413,6 @@ def _check_result(r: Any, k: int) -> float:
     return accuracy(rewards)
 
 
-
-
 def build_family(family_name: str, family_kwargs: dict[str, Any] | None = None,
                  llm_rewrite: dict[str, Any] | None = None,
                  judge_handle: Any = None) -> TaskFamily:

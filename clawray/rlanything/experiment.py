@@ -50,13 +50,18 @@ STEP_KEYS = ("policy_version", "rm_version", "samples", "rla_success", "rla_acti
              "time_rollout_s", "time_rm_score_s", "time_rm_update_s")
 
 
+def check_rows(rows: list[str]) -> None:
+    for row in rows:
+        if row not in ROWS:
+            raise ValueError(f"unknown row {row!r}; the rows are {', '.join(ROWS)}")
+
+
 def table_config(cfg: ClawRayConfig, out: Path, row: str, seed: int, policy: str,
                  rm: str) -> ClawRayConfig:
     """One row's settings: the env-demo's environment, the warm starts, the row's switches."""
     from clawray.env_demo import env_demo_config
 
-    if row not in ROWS:
-        raise ValueError(f"unknown row {row!r}; the rows are {', '.join(ROWS)}")
+    check_rows([row])
     run = out / f"seed{seed}" / row.replace("+", "_")
     return env_demo_config(cfg, run, seed).copy_with(
         model={"path": policy},
@@ -88,19 +93,20 @@ def warm_starts(cfg: ClawRayConfig, sft_seed: int, label_noise: float) -> tuple[
     return str(policy), str(rm)
 
 
-def measure(trainer: Any, cfg: ClawRayConfig, tasks: list[Any], contexts: list[Any],
-            eval_seed: int) -> dict[str, Any]:
-    """(i) held-out policy success through serving; (ii) RM step accuracy on ``contexts``."""
+def measure(trainer: Any, cfg: ClawRayConfig, tasks: list[Any],
+            contexts: list[Any]) -> dict[str, Any]:
+    """(i) held-out policy success through serving (the env-demo's evaluation); (ii) RM step
+    accuracy on ``contexts``."""
+    from clawray.env_demo import held_out_success
     from clawray.rlanything.loop import StepScorer
     from clawray.rlanything.rm_sft import step_accuracy
 
     t0 = time.perf_counter()
-    res = trainer.envs.evaluate(tasks, cfg.environments_cfg.temperature, eval_seed)
-    rate = float(np.mean([r["success"] for r in res]))
+    held = held_out_success(trainer, cfg, tasks)
     scored = asyncio.run(StepScorer(cfg, trainer.app).score_steps(contexts))
     rm = step_accuracy([c.progress for c in contexts], [s.scores for s in scored])
-    return {"success": rate, "success_stderr": float(np.sqrt(rate * (1 - rate) / len(res))),
-            "episodes": len(res), "rm": rm, "policy_version": trainer.version,
+    return {"success": held["success"], "success_stderr": held["stderr"],
+            "episodes": held["n"], "rm": rm, "policy_version": trainer.version,
             "seconds": time.perf_counter() - t0}
 
 
@@ -110,7 +116,6 @@ def run_row(cfg: ClawRayConfig, steps: int, tasks: list[Any], contexts: list[Any
     import ray
     from ray import serve
 
-    from clawray.env_demo import EVAL_SEED
     from clawray.serve.app import build_app
     from clawray.trainer import Trainer
 
@@ -127,7 +132,7 @@ def run_row(cfg: ClawRayConfig, steps: int, tasks: list[Any], contexts: list[Any
         trainer = Trainer(config=cfg.to_dict())
         try:
             if before is None:
-                before = measure(trainer, cfg, tasks, contexts, EVAL_SEED)
+                before = measure(trainer, cfg, tasks, contexts)
                 log(f"  before: held-out success {before['success']:.1%}, RM step accuracy "
                     f"{before['rm']['step_acc']:.3f} (majority {before['rm']['majority_acc']:.3f})")
             per_step = []
@@ -137,7 +142,7 @@ def run_row(cfg: ClawRayConfig, steps: int, tasks: list[Any], contexts: list[Any
                 log(f"  step {i}/{steps}: success {r.get('rla_success', 0):.2f}, policy rows "
                     f"{r.get('rla_policy_rows')}, RM rows {r.get('rla_rm_rows')}, rewrites "
                     f"accepted {r.get('env_accepted')}/{r.get('env_proposed')} proposed")
-            after = measure(trainer, cfg, tasks, contexts, EVAL_SEED)
+            after = measure(trainer, cfg, tasks, contexts)
             adapter = trainer.rla.metrics()
         finally:
             trainer.stop()
@@ -160,9 +165,7 @@ def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], steps: int = STEP
     from clawray.rlanything.rm_sft import EVAL_SEED_OFFSET, collect_steps
 
     rows = rows or list(ROWS)
-    for row in rows:
-        if row not in ROWS:
-            raise ValueError(f"unknown row {row!r}; the rows are {', '.join(ROWS)}")
+    check_rows(rows)  # before any row runs
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[str, Any]] = {row: {} for row in rows}
     t0 = time.monotonic()

@@ -29,15 +29,19 @@ def test_judge_samples_are_token_exact(tiny_model_path, tiny_tokenizer):
         core = JudgeCore(ClawRayConfig().model(path=str(tiny_model_path)))
         try:
             samples = await core.judge_samples(PROMPT, 3, 0.8, 12)
+            seeded = [await core.judge_samples(PROMPT, 3, 2.0, 12, seed=s) for s in (7, 7, 8)]
             texts = await core.judge(PROMPT, 2, 0.0, 12)
             greedy = await core.judge_samples(PROMPT, 2, 0.0, 12)
             rescored = [await core.engine.prompt_logprobs(s["prompt_ids"], s["token_ids"])
                         for s in samples]
-            return core.template(PROMPT), samples, texts, greedy, rescored
+            return core.template(PROMPT), samples, texts, greedy, rescored, seeded
         finally:
             await core.engine.shutdown()
 
-    prompt_ids, samples, texts, greedy, rescored = asyncio.run(run())
+    prompt_ids, samples, texts, greedy, rescored, seeded = asyncio.run(run())
+    # A seed makes an evaluation's scorings reproducible; another seed samples others.
+    ids = [[s["token_ids"] for s in call] for call in seeded]
+    assert ids[0] == ids[1] and ids[0] != ids[2]
     assert len(samples) == 3
     for s, again in zip(samples, rescored):
         assert s["prompt_ids"] == prompt_ids

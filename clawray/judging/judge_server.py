@@ -91,12 +91,13 @@ class JudgeCore:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def judge_samples(self, messages: list[dict[str, Any]], n: int, temperature: float,
-                            max_tokens: int) -> list[dict[str, Any]]:
+                            max_tokens: int, seed: int | None = None) -> list[dict[str, Any]]:
         """``n`` judge outputs for the judge prompt ``messages``, from one engine call, each as
         ``{text, prompt_ids, token_ids, logprobs, finish_reason, policy_version,
         policy_version_end}``: the exact ids the judge sampled (``text`` is their decoding
         without special tokens) and the raw log-probs of those ids under the weights version
-        ``policy_version`` (``policy_version_end`` when a weight swap happened mid-way)."""
+        ``policy_version`` (``policy_version_end`` when a weight swap happened mid-way). With a
+        ``seed`` the n samples are reproducible (evaluations); without one they are random."""
         prompt_ids = await asyncio.to_thread(self.template, messages)
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
@@ -104,7 +105,8 @@ class JudgeCore:
                 f"the judge prompt has {len(prompt_ids)} tokens but the judge model's context "
                 f"window is {self.max_model_len}: shorten judge history (judge prompt "
                 "max_history_chars) or use a judge model with a longer context")
-        params = SamplingParams(n=n, temperature=temperature, max_tokens=min(max_tokens, room))
+        params = SamplingParams(n=n, temperature=temperature, max_tokens=min(max_tokens, room),
+                                seed=seed)
         outputs = await self.engine.generate(prompt_ids, params)
         if len(outputs) != n:
             raise RuntimeError(f"the judge engine returned {len(outputs)} outputs for n={n}")

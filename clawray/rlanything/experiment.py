@@ -44,6 +44,7 @@ ADAPTER_MAX_DIFFICULTY = 0.15
 EVAL_TASKS = 100
 EVAL_STEP_TASKS = 20
 RM_LABEL_NOISE = 0.2
+RM_EVAL_SEED = 1_000
 STEP_KEYS = ("policy_version", "rm_version", "samples", "rla_success", "rla_active_success",
              "rla_policy_rows", "rla_rm_rows", "rm_step_acc", "rm_majority_acc",
              "rm_unparseable", "env_proposed", "env_accepted", "env_rejected",
@@ -103,7 +104,8 @@ def measure(trainer: Any, cfg: ClawRayConfig, tasks: list[Any],
 
     t0 = time.perf_counter()
     held = held_out_success(trainer, cfg, tasks)
-    scored = asyncio.run(StepScorer(cfg, trainer.app).score_steps(contexts))
+    # Seeded scorings: the RM's accuracy before and after differs by its weights, not by luck.
+    scored = asyncio.run(StepScorer(cfg, trainer.app).score_steps(contexts, seed=RM_EVAL_SEED))
     rm = step_accuracy([c.progress for c in contexts], [s.scores for s in scored])
     return {"success": held["success"], "success_stderr": held["stderr"],
             "episodes": held["n"], "rm": rm, "policy_version": trainer.version,

@@ -82,23 +82,29 @@ class StepScorer:
 
             self.backend = make_backend(cfg.judge_cfg.model_copy(update={"backend": "openai"}))
 
-    async def _one(self, ctx: StepContext, sem: asyncio.Semaphore) -> ScoredStep:
+    async def _one(self, ctx: StepContext, sem: asyncio.Semaphore,
+                   seed: int | None = None) -> ScoredStep:
         request = step_rm_request(ctx, self.history_window)
         r = self.r
         async with sem:
             if self.handle is not None:
                 samples = await self.handle.judge_samples.remote(
-                    request.messages, r.m, r.temperature, r.max_tokens)
+                    request.messages, r.m, r.temperature, r.max_tokens, seed)
                 texts = [s["text"] for s in samples]
             else:
                 samples = None
                 texts = await self.backend.complete(request, r.m, r.temperature, r.max_tokens)
         return ScoredStep(ctx, [parse_step_score(t) for t in texts], samples)
 
-    async def score_steps(self, contexts: Sequence[StepContext]) -> list[ScoredStep]:
-        """Each step scored m times (an evaluation set of steps, outside any episode)."""
+    async def score_steps(self, contexts: Sequence[StepContext],
+                          seed: int | None = None) -> list[ScoredStep]:
+        """Each step scored m times (an evaluation set of steps, outside any episode). With a
+        ``seed``, step i's scorings are sampled with seed ``seed + i`` by a JudgeServer, so two
+        evaluations of the same weights agree (other backends ignore it)."""
         sem = asyncio.Semaphore(SCORING_CONCURRENCY)
-        return list(await asyncio.gather(*(self._one(c, sem) for c in contexts)))
+        return list(await asyncio.gather(*(
+            self._one(c, sem, None if seed is None else seed + i)
+            for i, c in enumerate(contexts))))
 
     async def score(self, groups: Sequence[Sequence[Episode]]) -> list[list[list[ScoredStep]]]:
         """``out[task][rollout][step]``, every step of every episode scored."""

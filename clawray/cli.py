@@ -114,14 +114,23 @@ def cmd_env_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_rla_table(args: argparse.Namespace) -> int:
-    from clawray.rlanything.experiment import run_table, table_markdown
+    import dataclasses
+
+    from clawray.rlanything.experiment import SCALES, run_table, table_markdown, warm_starts
     from clawray.train import apply_sets, load_config
 
     cfg = apply_sets(load_config(args.config), args.set).validate()
     _prebuild(cfg)
+    if args.warm_starts_only:
+        policy, rm = warm_starts(cfg, args.sft_seed, args.label_noise, SCALES[args.scale])
+        print(f"clawray rla-table: warm starts ready: policy {policy}, RM {rm}")
+        return 0
     try:
-        summary = run_table(cfg, Path(args.out), args.seeds, args.steps, args.rows.split(","),
-                            args.label_noise, args.eval_n, args.sft_seed)
+        scale = SCALES[args.scale]
+        scale = dataclasses.replace(scale, steps=args.steps or scale.steps,
+                                    eval_tasks=args.eval_n or scale.eval_tasks)
+        summary = run_table(cfg, Path(args.out), args.seeds, args.rows.split(","),
+                            args.label_noise, args.sft_seed, scale, args.parallel)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     print(table_markdown(summary))
@@ -166,19 +175,28 @@ def main(argv: list[str] | None = None) -> int:
                    help="flip this share of the oracle labels (an imperfect RM to co-train)")
     p.add_argument("--force", action="store_true", help="retrain even if cached")
     p.set_defaults(fn=cmd_rm_sft)
-    from clawray.rlanything.experiment import EVAL_TASKS, RM_LABEL_NOISE, ROWS, STEPS
+    from clawray.rlanything.experiment import RM_LABEL_NOISE, ROWS, SCALES
 
     p = sub.add_parser("rla-table", help="RLAnything's Table 1 on household tasks")
     p.add_argument("-c", "--config", help="clawray YAML (model:, inference: ...)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--out", default="rla-table-output", help="where results go")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="RL seeds")
-    p.add_argument("--steps", type=int, default=STEPS, help="RLAnything steps per row")
+    p.add_argument("--scale", choices=list(SCALES), default="full",
+                   help="full: the measured table (~25 min per seed on 2 cores); small: short "
+                        "warm starts, 2 steps, small evaluations (a few minutes)")
+    p.add_argument("--steps", type=int, help="RLAnything steps per row (default: the scale's)")
     p.add_argument("--rows", default=",".join(ROWS), help="rows, comma-separated")
-    p.add_argument("--eval-n", type=int, default=EVAL_TASKS, help="held-out tasks (x2 episodes)")
+    p.add_argument("--eval-n", type=int,
+                   help="held-out tasks, x2 episodes (default: the scale's)")
     p.add_argument("--label-noise", type=float, default=RM_LABEL_NOISE,
                    help="share of flipped labels in the RM's warm start")
     p.add_argument("--sft-seed", type=int, default=0, help="seed of both warm starts")
+    p.add_argument("--warm-starts-only", action="store_true",
+                   help="build (or find cached) the scale's warm starts, print them, stop")
+    p.add_argument("--parallel", action="store_true",
+                   help="run a seed's rows at once on one cluster (default: one after another, "
+                        "each on its own)")
     p.set_defaults(fn=cmd_rla_table)
     for name, fn, help_ in (("serve", cmd_serve, "serve the policy model"),
                             ("demo", cmd_demo, "serve + train from simulated users"),

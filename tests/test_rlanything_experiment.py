@@ -4,13 +4,14 @@ numbers are in docs/rlanything.md)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from clawray.config import ClawRayConfig
-from clawray.rlanything.experiment import (ROWS, plot_table, summarize, table_config,
-                                           table_markdown)
+from clawray.rlanything.experiment import (FULL, ROWS, SMALL, plot_table, summarize,
+                                           table_config, table_markdown)
 
 
 def test_rows_switch_rm_cotraining_and_env_adaptation_and_share_the_rest(tmp_path):
@@ -26,6 +27,11 @@ def test_rows_switch_rm_cotraining_and_env_adaptation_and_share_the_rest(tmp_pat
         # Each row writes under its own folder: no row reads another's buffer or adapter.
         assert Path(c.buffer_cfg.path).parent == tmp_path / "seed3" / row.replace("+", "_")
     assert len({c.buffer_cfg.path for c in cfgs.values()}) == 3
+    assert (c.rlanything_cfg.slots, c.environments_cfg.group_size) == (FULL.slots,
+                                                                        FULL.group_size)
+    small = table_config(ClawRayConfig(), tmp_path, "policy", 3, "/p", "/rm", SMALL)
+    assert (small.rlanything_cfg.slots, small.environments_cfg.group_size) == (2, 4)
+    assert (c.environments_cfg.num_runners, small.environments_cfg.num_runners) == (2, 1)
     with pytest.raises(ValueError, match="unknown row 'rm-only'"):
         table_config(ClawRayConfig(), tmp_path, "rm-only", 0, "/p", "/rm")
 
@@ -62,3 +68,42 @@ def test_a_measure_nobody_could_take_is_a_dash_not_a_crash():
     runs = {"policy": {"0": {"before": none, "after": none, "steps": [], "accepted_total": 0}}}
     md = table_markdown(summarize(runs, [0], 0, 0.0, 0.0))
     assert "| policy | 0.0 % | 0.0 % | - | - | - | - | 0.000 |" in md
+
+
+def test_parallel_rows_record_every_row_under_its_own_app_and_write_the_table(tmp_path,
+                                                                             monkeypatch):
+    """``run_table(parallel=True)`` with the rows' runs replaced by hand-made results (the real
+    ones need a cluster and minutes): each row is run once, at once, in its own Serve app, and
+    lands under its name in the summary and the files."""
+    import contextlib
+    import threading
+
+    from clawray import env_demo
+    from clawray.rlanything import experiment, rm_sft
+
+    started: dict[str, str] = {}
+    barrier = threading.Barrier(len(ROWS), timeout=10)  # fails unless the rows run at once
+
+    def fake_row(cfg, steps, tasks, contexts, before, log, t0):
+        assert before is None and steps == SMALL.steps and len(tasks) == 2 * SMALL.eval_tasks
+        started[cfg.training_cfg.app] = cfg.model_cfg.path
+        barrier.wait()
+        ok = 0.5 if cfg.rlanything_cfg.adapt_env else 0.25
+        return run((0.2, ok), (0.6, 0.6), [0, 1 if cfg.rlanything_cfg.adapt_env else 0])
+
+    monkeypatch.setattr(experiment, "warm_starts", lambda *a, **k: ("/p", "/rm"))
+    monkeypatch.setattr(experiment, "cluster", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(experiment, "_run_row", fake_row)
+    monkeypatch.setattr(env_demo, "held_out_tasks", lambda cfg, n, seed: list(range(n)))
+    monkeypatch.setattr(rm_sft, "collect_steps", lambda *a: [])
+    s = experiment.run_table(ClawRayConfig(), tmp_path, [0], scale=SMALL, parallel=True,
+                             log=lambda m: None)
+    assert sorted(started) == ["rla-table-policy", "rla-table-policy-rm",
+                               "rla-table-policy-rm-env"]
+    assert set(started.values()) == {"/p"}
+    assert s["parallel"] and s["scale"]["slots"] == SMALL.slots
+    assert s["rows"]["policy+rm+env"]["success_after"]["mean"] == 0.5
+    assert s["rows"]["policy"]["accepted_rewrites"]["mean"] == 0
+    saved = json.loads((tmp_path / "rla_table.json").read_text())
+    assert list(saved["rows"]) == list(ROWS)
+    assert "| policy+rm+env | 20.0 % | 50.0 % |" in (tmp_path / "rla_table.md").read_text()

@@ -16,18 +16,26 @@ measures, before and after:
 - (iii) the environment adapter's accepted rewrites, step by step.
 
 The "before" numbers are measured once per seed, in the first row: every row starts from the
-same weights, and the policy's evaluation is seeded. Results: ``rla_table.json`` (everything),
+same weights, and both evaluations are seeded. Results: ``rla_table.json`` (everything),
 ``rla_table.md`` (the table, mean and spread over seeds) and ``rla_table.png``.
+
+A ``Scale`` sets how big a run is: ``FULL`` (the default, the measured table; about 25 minutes
+per seed on 2 cores) or ``SMALL`` (short warm starts, 2 steps, small evaluations: the same
+experiment in a few minutes, which ``notebooks/rlanything.ipynb`` runs). Each row starts its own
+local Ray cluster, or uses the one the caller started (``ray.init`` first, as the notebook
+does), deleting its Serve app at the end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -51,6 +59,31 @@ STEP_KEYS = ("policy_version", "rm_version", "samples", "rla_success", "rla_acti
              "time_rollout_s", "time_rm_score_s", "time_rm_update_s")
 
 
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """How big a table run is."""
+
+    steps: int = STEPS  # RLAnything steps per row
+    eval_tasks: int = EVAL_TASKS  # held-out tasks, each played EVAL_SAMPLES times
+    eval_step_tasks: int = EVAL_STEP_TASKS  # held-out tasks whose steps test the RM
+    slots: int = 6  # the adapter's task slots
+    group_size: int = 6  # rollouts per task and step
+    runners: int = 2  # env runners
+    sft_steps: int | None = None  # the policy's warm start; None: the env-demo's
+    rm_tasks: int = 200  # tasks whose steps the RM's warm start learns from
+    rm_sft_steps: int | None = None  # the RM's warm start; None: as the policy's
+    rm_sft_batch_size: int | None = None  # None: as the policy's
+    rm_sft_lr: float | None = None  # None: as the policy's
+
+
+FULL = Scale()
+# The policy's warm start is the full one (fewer SFT steps leave the tiny policy at 0 %
+# success: no group has a spread, nothing trains); the RM's is short, at a higher lr.
+SMALL = Scale(steps=2, eval_tasks=4, eval_step_tasks=2, slots=2, group_size=4, runners=1,
+              rm_tasks=20, rm_sft_steps=60, rm_sft_batch_size=8, rm_sft_lr=3e-3)
+SCALES = {"full": FULL, "small": SMALL}
+
+
 def check_rows(rows: list[str]) -> None:
     for row in rows:
         if row not in ROWS:
@@ -58,7 +91,7 @@ def check_rows(rows: list[str]) -> None:
 
 
 def table_config(cfg: ClawRayConfig, out: Path, row: str, seed: int, policy: str,
-                 rm: str) -> ClawRayConfig:
+                 rm: str, scale: Scale = FULL) -> ClawRayConfig:
     """One row's settings: the env-demo's environment, the warm starts, the row's switches."""
     from clawray.env_demo import env_demo_config
 
@@ -68,19 +101,20 @@ def table_config(cfg: ClawRayConfig, out: Path, row: str, seed: int, policy: str
         model={"path": policy},
         # Two served models (policy, RM), two learners and two runners on one CPU machine.
         serving={"replica_num_cpus": 0.5},
-        environments={"group_size": 6},
+        environments={"group_size": scale.group_size, "num_runners": scale.runners},
         # The adapter's first tasks: easier than the held-out ones (≤ 0.3), where the warm
         # start succeeds often enough for tasks to sit in the RM's [0.2, 0.8] band; at ≤ 0.3
         # most slots started near 0 % and gave the RM no rows at all.
         curriculum={"max_difficulty": ADAPTER_MAX_DIFFICULTY},
         rlanything={"m": 3, "temperature": 0.8, "max_tokens": 8, "rm_backend": "server",
-                    "rm_model_path": rm, "slots": 6, **ROWS[row],
+                    "rm_model_path": rm, "slots": scale.slots, **ROWS[row],
                     "checkpoint_path": str(run / "env_adapter.json")},
-        training={"app": APP, "mode": "rlanything", "batch_size": 4096, "min_batch": 1,
+        training={"app": f"{APP}-{row.replace('+', '-')}", "mode": "rlanything", "batch_size": 4096, "min_batch": 1,
                   "lr": 1e-4, "take_timeout_s": 30.0})
 
 
-def warm_starts(cfg: ClawRayConfig, sft_seed: int, label_noise: float) -> tuple[str, str]:
+def warm_starts(cfg: ClawRayConfig, sft_seed: int, label_noise: float,
+                scale: Scale = FULL, progress: bool = True) -> tuple[str, str]:
     """The policy (``clawray sft``, seeded ``sft_seed``) and the RM (``clawray rm-sft`` on that
     policy's steps) every row starts from; both cached by their settings."""
     from clawray.env_demo import EVAL_MAX_DIFFICULTY, env_demo_config
@@ -88,9 +122,16 @@ def warm_starts(cfg: ClawRayConfig, sft_seed: int, label_noise: float) -> tuple[
     from clawray.sft import run_sft
 
     demo = env_demo_config(cfg, Path("."), sft_seed)
-    policy = run_sft(demo).path
-    rm = run_rm_sft(demo, policy, n_tasks=200, max_difficulty=EVAL_MAX_DIFFICULTY,
-                    label_noise=label_noise).path
+    if scale.sft_steps is not None:
+        demo = demo.copy_with(sft={"steps": scale.sft_steps})
+    policy = run_sft(demo, progress=progress).path
+    rm_sft = {k: v for k, v in (("steps", scale.rm_sft_steps),
+                                ("batch_size", scale.rm_sft_batch_size),
+                                ("lr", scale.rm_sft_lr)) if v is not None}
+    if rm_sft:
+        demo = demo.copy_with(sft=rm_sft)
+    rm = run_rm_sft(demo, policy, n_tasks=scale.rm_tasks, max_difficulty=EVAL_MAX_DIFFICULTY,
+                    label_noise=label_noise, progress=progress).path
     return str(policy), str(rm)
 
 
@@ -112,31 +153,64 @@ def measure(trainer: Any, cfg: ClawRayConfig, tasks: list[Any],
             "seconds": time.perf_counter() - t0}
 
 
+def describe(measured: dict[str, Any]) -> str:
+    """One line of ``measure``'s numbers (an RM with no parseable scoring has no accuracy)."""
+    rm = measured["rm"]
+    f = (lambda v: "-" if v is None else f"{v:.3f}")
+    return (f"held-out success {measured['success']:.1%}, RM step accuracy "
+            f"{f(rm['step_acc'])} (majority {f(rm['majority_acc'])}, unparseable "
+            f"{f(rm['unparseable'])})")
+
+
+@contextlib.contextmanager
+def cluster(cfg: ClawRayConfig, rows: int = 1) -> Iterator[None]:
+    """A local Ray cluster with Serve for ``rows`` rows at once; the caller's if it started
+    one (``ray.init`` first), which is then left running."""
+    # A JudgeServer busy scoring answers Serve's queue-length probe late: give it 1 s instead
+    # of 0.1 s before Serve warns (it warned on most requests). Read when Serve is imported.
+    os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")
+    import ray
+    from ray import serve
+
+    own = not ray.is_initialized()
+    if own:
+        # Logical CPUs beyond the cores: the actors mostly wait on each other (as the tests'
+        # cluster). A row asks for about 3 (replicas, learners, runners).
+        ray.init(address="local", num_cpus=max(4 * rows, os.cpu_count() or 1),
+                 include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": cfg.serving_cfg.port})
+        yield
+    finally:
+        if own:
+            ray.shutdown()
+
+
 def run_row(cfg: ClawRayConfig, steps: int, tasks: list[Any], contexts: list[Any],
             before: dict[str, Any] | None, log: Callable[[str], None]) -> dict[str, Any]:
-    """One row on its own local Ray cluster and Serve app; ``before`` measured if None."""
-    import ray
+    """One row in its own Serve app, on a cluster of its own unless one is running;
+    ``before`` measured if None."""
+    t0 = time.monotonic()
+    with cluster(cfg):
+        return _run_row(cfg, steps, tasks, contexts, before, log, t0)
+
+
+def _run_row(cfg: ClawRayConfig, steps: int, tasks: list[Any], contexts: list[Any],
+             before: dict[str, Any] | None, log: Callable[[str], None],
+             t0: float) -> dict[str, Any]:
     from ray import serve
 
     from clawray.serve.app import build_app
     from clawray.trainer import Trainer
 
-    t0 = time.monotonic()
-    # A JudgeServer busy scoring answers Serve's queue-length probe late: give it 1 s instead
-    # of 0.1 s before Serve warns (it warned on most requests).
-    os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")
-    # Logical CPUs beyond the cores: the actors mostly wait on each other (as the tests' cluster).
-    ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
-             log_to_driver=False)
+    app = cfg.training_cfg.app
+    serve.run(build_app(cfg), name=app, route_prefix=f"/{app}")
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": cfg.serving_cfg.port})
-        serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
         trainer = Trainer(config=cfg.to_dict())
         try:
             if before is None:
                 before = measure(trainer, cfg, tasks, contexts)
-                log(f"  before: held-out success {before['success']:.1%}, RM step accuracy "
-                    f"{before['rm']['step_acc']:.3f} (majority {before['rm']['majority_acc']:.3f})")
+                log(f"  before: {describe(before)}")
             per_step = []
             for i in range(1, steps + 1):
                 r = trainer.train()
@@ -149,20 +223,43 @@ def run_row(cfg: ClawRayConfig, steps: int, tasks: list[Any], contexts: list[Any
         finally:
             trainer.stop()
     finally:
-        ray.shutdown()
-    log(f"  after: held-out success {after['success']:.1%}, RM step accuracy "
-        f"{after['rm']['step_acc']:.3f} (majority {after['rm']['majority_acc']:.3f})")
+        serve.delete(app)
+    log(f"  after: {describe(after)}")
     return {"before": before, "after": after, "steps": per_step,
             "accepted_total": sum(s["env_accepted"] or 0 for s in per_step),
             "env_adapter": adapter, "seconds": time.monotonic() - t0}
 
 
-def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], steps: int = STEPS,
-              rows: list[str] | None = None, label_noise: float = RM_LABEL_NOISE,
-              eval_tasks: int = EVAL_TASKS, sft_seed: int = 0,
-              log: Callable[[str], None] = print) -> dict[str, Any]:
+def _parallel_rows(cfgs: dict[str, ClawRayConfig], steps: int, tasks: list[Any],
+                   contexts: list[Any], log: Callable[[str], None],
+                   done: Callable[[str, dict[str, Any]], dict[str, Any]],
+                   seed: int) -> dict[str, Any]:
+    """The rows of one seed at once, on one cluster, each in its own Serve app (its own
+    replicas) measuring its own "before": the same numbers, as both evaluations are seeded."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    first = next(iter(cfgs.values()))
+    summary: dict[str, Any] = {}
+    with cluster(first, len(cfgs)), ThreadPoolExecutor(len(cfgs)) as pool:
+        t0 = time.monotonic()
+        futures = {row: pool.submit(_run_row, c, steps, tasks, contexts, None,
+                                    lambda m, row=row: log(f"seed {seed} [{row}] {m.strip()}"),
+                                    t0)
+                   for row, c in cfgs.items()}
+        for row, future in futures.items():
+            summary = done(row, future.result())
+    return summary
+
+
+def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], rows: list[str] | None = None,
+              label_noise: float = RM_LABEL_NOISE, sft_seed: int = 0, scale: Scale = FULL,
+              parallel: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every row for every seed (the RL run's seed; all start from the warm starts of
-    ``sft_seed``); writes and returns the summary."""
+    ``sft_seed``) at ``scale``; writes and returns the summary.
+
+    ``parallel``: a seed's rows run at once on one cluster (faster where the rows leave cores
+    idle, as the small scale does; the measured table ran its rows one after another, each on
+    its own cluster)."""
     from clawray.env_demo import EVAL_MAX_DIFFICULTY, EVAL_SAMPLES, held_out_tasks
     from clawray.rlanything.rm_sft import EVAL_SEED_OFFSET, collect_steps
 
@@ -171,23 +268,32 @@ def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], steps: int = STEP
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[str, Any]] = {row: {} for row in rows}
     t0 = time.monotonic()
-    policy, rm = warm_starts(cfg, sft_seed, label_noise)
+    policy, rm = warm_starts(cfg, sft_seed, label_noise, scale)
     log(f"warm starts: policy {policy}, RM {rm}")
     for seed in seeds:
-        first = table_config(cfg, out, rows[0], seed, policy, rm)
-        tasks = held_out_tasks(first, eval_tasks, seed) * EVAL_SAMPLES
-        contexts = collect_steps(policy, first, EVAL_STEP_TASKS, EVAL_MAX_DIFFICULTY,
+        first = table_config(cfg, out, rows[0], seed, policy, rm, scale)
+        tasks = held_out_tasks(first, scale.eval_tasks, seed) * EVAL_SAMPLES
+        contexts = collect_steps(policy, first, scale.eval_step_tasks, EVAL_MAX_DIFFICULTY,
                                  seed + EVAL_SEED_OFFSET)
+        cfgs = {row: table_config(cfg, out, row, seed, policy, rm, scale) for row in rows}
+
+        def done(row: str, result: dict[str, Any]) -> dict[str, Any]:
+            runs[row][str(seed)] = result
+            summary = summarize(runs, seeds, scale.steps, label_noise, time.monotonic() - t0)
+            summary.update(policy=policy, rm=rm, sft_seed=sft_seed, parallel=parallel,
+                           scale=dataclasses.asdict(scale))
+            (out / "rla_table.json").write_text(json.dumps(summary, indent=2))
+            return summary
+
+        if parallel:
+            summary = _parallel_rows(cfgs, scale.steps, tasks, contexts, log, done, seed)
+            continue
         before = None
         for row in rows:
             log(f"seed {seed}, row {row}:")
-            result = run_row(table_config(cfg, out, row, seed, policy, rm), steps, tasks,
-                             contexts, before, log)
+            result = run_row(cfgs[row], scale.steps, tasks, contexts, before, log)
             before = result["before"]
-            runs[row][str(seed)] = result
-            summary = summarize(runs, seeds, steps, label_noise, time.monotonic() - t0)
-            summary.update(policy=policy, rm=rm, sft_seed=sft_seed)
-            (out / "rla_table.json").write_text(json.dumps(summary, indent=2))
+            summary = done(row, result)
     (out / "rla_table.md").write_text(table_markdown(summary))
     plot_table(summary, out / "rla_table.png")
     return summary
@@ -244,9 +350,8 @@ def table_markdown(summary: dict[str, Any]) -> str:
 
 
 def plot_table(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+    # No matplotlib.use("Agg") here: it would switch a notebook's inline backend off for every
+    # later plot; without a display matplotlib picks Agg by itself.
     import matplotlib.pyplot as plt
 
     fig = draw_table(summary)

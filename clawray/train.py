@@ -64,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=100)
     p.add_argument("--address", default=None, help="Ray address (default: the running "
                    "cluster if there is one, else a local one)")
+    p.add_argument("--num-cpus", type=float, default=None,
+                   help="logical CPUs of the local cluster started when none runs (default: "
+                        "the cores); the actors mostly wait on each other, so a small machine "
+                        "can offer more than it has")
     p.add_argument("--restore", help="checkpoint folder to resume from")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, e.g. --set training.lr=1e-4")
@@ -87,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     from clawray.trainer import Trainer
 
     if not ray.is_initialized():
-        ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
+        ray.init(address=args.address, num_cpus=args.num_cpus, include_dashboard=False,
+                 log_to_driver=False)
     trainer = Trainer(config=cfg.to_dict())
     try:
         if args.restore:

@@ -109,8 +109,8 @@ def table_config(cfg: ClawRayConfig, out: Path, row: str, seed: int, policy: str
         rlanything={"m": 3, "temperature": 0.8, "max_tokens": 8, "rm_backend": "server",
                     "rm_model_path": rm, "slots": scale.slots, **ROWS[row],
                     "checkpoint_path": str(run / "env_adapter.json")},
-        training={"app": f"{APP}-{row.replace('+', '-')}", "mode": "rlanything", "batch_size": 4096, "min_batch": 1,
-                  "lr": 1e-4, "take_timeout_s": 30.0})
+        training={"app": f"{APP}-{row.replace('+', '-')}", "mode": "rlanything",
+                  "batch_size": 4096, "min_batch": 1, "lr": 1e-4, "take_timeout_s": 30.0})
 
 
 def warm_starts(cfg: ClawRayConfig, sft_seed: int, label_noise: float,
@@ -271,11 +271,11 @@ def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], rows: list[str] |
     policy, rm = warm_starts(cfg, sft_seed, label_noise, scale)
     log(f"warm starts: policy {policy}, RM {rm}")
     for seed in seeds:
-        first = table_config(cfg, out, rows[0], seed, policy, rm, scale)
+        cfgs = {row: table_config(cfg, out, row, seed, policy, rm, scale) for row in rows}
+        first = cfgs[rows[0]]
         tasks = held_out_tasks(first, scale.eval_tasks, seed) * EVAL_SAMPLES
         contexts = collect_steps(policy, first, scale.eval_step_tasks, EVAL_MAX_DIFFICULTY,
                                  seed + EVAL_SEED_OFFSET)
-        cfgs = {row: table_config(cfg, out, row, seed, policy, rm, scale) for row in rows}
 
         def done(row: str, result: dict[str, Any]) -> dict[str, Any]:
             runs[row][str(seed)] = result

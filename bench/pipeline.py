@@ -117,7 +117,7 @@ def _actors(ray):
         def run(self, mode: str, source: Any, rows: int, take: int) -> dict[str, float]:
             import torch
 
-            from clawray.buffer import fetch
+            from clawray.buffer.core import fetch
             from clawray.samples import pack_column, pack_sequences
 
             got, tokens, c0 = 0, 0, time.process_time()
@@ -218,7 +218,7 @@ def _busy_s() -> float:
 def wal_inproc(args: argparse.Namespace, wal_dir: Path) -> list[dict[str, Any]]:
     """SampleBufferCore in one process: add + seal of every row, with each compression and
     with a no-op WAL (same core, ``write_segment`` does nothing), to isolate the WAL's cost."""
-    from clawray.buffer import SampleBufferCore
+    from clawray.buffer.core import SampleBufferCore
     from clawray.samples import rows_to_batch
 
     pool = make_pool(args.pool, 2)

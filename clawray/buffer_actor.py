@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import pyarrow as pa
 import ray
 
-from clawray.buffer import SampleBufferCore, SealJob, Slice
+from clawray.buffer.core import SampleBufferCore, SealJob, Slice
 from clawray.config import BufferConfig
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from clawray.buffer import CHECKPOINT
+from clawray.buffer.core import CHECKPOINT
 
 _MAX_LIST = 6  # lists longer than this print as "[N ids]" / "[N values]"
 _MAX_TEXT = 60

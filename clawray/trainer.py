@@ -37,7 +37,7 @@ import ray
 from ray import tune
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
-from clawray.buffer import fetch
+from clawray.buffer.core import fetch
 from clawray.config import ClawRayConfig
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from clawray import buffer as buffer_mod
-from clawray.buffer import CHECKPOINT, SampleBufferCore, fetch, fetch_from_wal, segment_name
+from clawray.buffer.core import CHECKPOINT, SampleBufferCore, fetch, fetch_from_wal, segment_name
 from clawray.samples import SampleValidationError, make_row, rows_to_batch
 
 

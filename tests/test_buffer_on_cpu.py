@@ -10,7 +10,7 @@ import uuid
 import pyarrow.dataset as ds
 import pytest
 
-from clawray.buffer import fetch, fetch_from_wal
+from clawray.buffer.core import fetch, fetch_from_wal
 from clawray.config import BufferConfig
 from clawray.samples import make_row
 

@@ -21,7 +21,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from clawray.buffer import Slice, fetch
+from clawray.buffer.core import Slice, fetch
 from clawray.config import TrainingConfig
 from clawray.learner.learner import LearnerCore, combine_rank_metrics, init_distributed
 

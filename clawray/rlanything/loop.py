@@ -292,7 +292,7 @@ class RLAnythingLoop:
         if self.rm is None or not rows:
             return {}
         t0 = time.perf_counter()
-        from clawray.buffer import fetch
+        from clawray.buffer.core import fetch
 
         ray.get(self.rm_buffer.add.remote(rows))  # durable before it is trained on
         table = fetch(ray.get(self.rm_buffer.take.remote(len(rows), 10.0, 1)), ray.get)

@@ -160,7 +160,7 @@ def _actors(ray):
 
 
 def run_setup(ray, mode: str, args: argparse.Namespace, wal_dir: Path) -> dict[str, Any]:
-    from clawray.buffer_actor import start_sample_buffer
+    from clawray.buffer.actor import start_sample_buffer
     from clawray.config import BufferConfig
 
     Producer, Consumer = _actors(ray)

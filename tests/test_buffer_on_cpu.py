@@ -26,7 +26,7 @@ def _row(sid: str) -> dict:
 
 
 def _start(ray, tmp_path, **cfg):
-    from clawray.buffer_actor import start_sample_buffer
+    from clawray.buffer.actor import start_sample_buffer
 
     name = f"buf-{uuid.uuid4().hex[:8]}"
     config = BufferConfig(path=str(tmp_path / "wal"), **cfg)

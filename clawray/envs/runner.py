@@ -195,7 +195,7 @@ class EnvRunnerGroup:
     """N EnvRunners, their curriculum and env buffer, kept running (driver side)."""
 
     def __init__(self, cfg: ClawRayConfig, app: str) -> None:
-        from clawray.buffer_actor import start_sample_buffer
+        from clawray.buffer.actor import start_sample_buffer
         from clawray.curriculum.actor import get_or_create_curriculum
 
         self.cfg, self.app = cfg, app

@@ -191,7 +191,7 @@ class RLAnythingLoop:
     def __init__(self, cfg: ClawRayConfig, app: str, envs: Any) -> None:
         import ray
 
-        from clawray.buffer_actor import start_sample_buffer
+        from clawray.buffer.actor import start_sample_buffer
         from clawray.rlanything.adapter import get_or_create_env_adapter
 
         self.cfg, self.app, self.envs = cfg, app, envs

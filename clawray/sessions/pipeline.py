@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from clawray.buffer_actor import start_sample_buffer
+from clawray.buffer.actor import start_sample_buffer
 from clawray.config import ClawRayConfig
 from clawray.judging.voters import PRMVoter
 from clawray.records import TurnRecord

@@ -369,7 +369,7 @@ def measure_sync(core: Any, model_path: Path, batches: list, versions: int,
     from clawray.config import ClawRayConfig
     from clawray.serve.app import build_app
     from clawray.serve.control import get_app_control
-    from clawray.weights import ObjectStoreSync, copy_baseline
+    from clawray.weights.sync import ObjectStoreSync, copy_baseline
 
     started = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix="clawray-bench-learner-")

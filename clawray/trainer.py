@@ -87,7 +87,7 @@ class Trainer(tune.Trainable):
         from clawray.serve.control import start_app_control
         from clawray.serve.policy_server import policy_model_info
         from clawray.sessions.pipeline import start_live_pipeline
-        from clawray.weights import make_weight_sync
+        from clawray.weights.sync import make_weight_sync
 
         self.cfg = ClawRayConfig.from_dict(config).validate()
         t = self.cfg.training_cfg

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Mapping
 import ray
 import torch
 
-from clawray.weights import WeightSync, WeightSyncError, check_state, state_nbytes
+from clawray.weights.sync import WeightSync, WeightSyncError, check_state, state_nbytes
 
 VLLM_VERSION = "0.32.0"
 

@@ -17,7 +17,7 @@ import ray
 import torch
 
 from clawray.serve.control import AppControl, get_app_control
-from clawray.weights import ObjectStoreSync
+from clawray.weights.sync import ObjectStoreSync
 from conftest import API_KEY
 
 pytestmark = pytest.mark.ray
@@ -168,7 +168,7 @@ def test_bad_lora_payload_is_reported_and_the_next_one_applies(weights_app, lear
     from peft import LoraConfig, get_peft_model
     from ray import serve
 
-    from clawray.weights import LoraSync, lora_payload
+    from clawray.weights.sync import LoraSync, lora_payload
 
     peft_model = get_peft_model(copy.deepcopy(learner_model), LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], lora_dropout=0.0))

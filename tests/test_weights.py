@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from clawray.inference import EngineError, HFEngine
-from clawray.weights import (
+from clawray.weights.sync import (
     LoraSync,
     ObjectStoreSync,
     WeightSyncError,

@@ -71,7 +71,7 @@ class LearnerWorker:
     def send_weights(self, app_name: str, version: int) -> dict[str, Any]:
         """Publish this rank's weights to the app's serving replicas (rank 0's result counts;
         other ranks only take part in a ZeRO-3 gather)."""
-        from clawray.weights import make_weight_sync
+        from clawray.weights.sync import make_weight_sync
 
         kind, payload = self._core().sync_payload()
         self._core().policy_version = version

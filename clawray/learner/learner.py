@@ -278,7 +278,7 @@ class LearnerCore:
         Collective under ZeRO-3 (every rank must call); the result matters on rank 0 only.
         """
         if self.lora:
-            from clawray.weights import lora_payload
+            from clawray.weights.sync import lora_payload
 
             return "lora", lora_payload(self.module)
         ctx = nullcontext()

@@ -86,7 +86,7 @@ class RMCoTrainer:
         from clawray.judging.judge_server import judge_model_info
         from clawray.learner.group import LearnerGroup
         from clawray.serve.control import judge_channel, start_app_control
-        from clawray.weights import make_weight_sync
+        from clawray.weights.sync import make_weight_sync
 
         cfg = ClawRayConfig.from_dict(config)
         self.cfg = rm_training_config(cfg, **(training or {}))

@@ -301,7 +301,7 @@ class WeightReceiver:
                 await asyncio.sleep(self.retry_s)
 
     async def _apply(self, state: dict[str, Any]) -> None:
-        from clawray.weights import make_weight_sync
+        from clawray.weights.sync import make_weight_sync
 
         version, kind = state["version"], state["kind"]
         started = time.monotonic()

@@ -166,12 +166,12 @@ def test_unknown_sync_kind_is_a_clear_error():
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
 async def test_nccl_sync_imports_without_vllm_and_says_what_is_missing():
     # Importing the module (and clawray) must not import vLLM.
-    code = ("import sys, clawray.weights_vllm, clawray.serve.app; "
+    code = ("import sys, clawray.weights.nccl, clawray.serve.app; "
             "assert 'vllm' not in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
-    from clawray.weights_vllm import VLLMUnavailableError
+    from clawray.weights.nccl import VLLMUnavailableError
 
     sync = make_weight_sync("nccl", "app", ranks_per_replica=2)
     assert sync.kind == "nccl"

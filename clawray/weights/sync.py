@@ -13,7 +13,7 @@ Transports (``make_weight_sync(kind, app_name)``):
   ``ray.put`` once; each replica fetches it and calls ``engine.load_weights``. CPU / HF engine.
 * ``lora`` — ``LoraSync``: only the LoRA adapters travel; each replica merges them into its
   cached base weights (W = W0 + scaling · B @ A) and loads the merged tensors.
-* ``nccl`` — ``VLLMNcclSync`` (``clawray/weights_vllm.py``): vLLM's NCCL weight transfer, GPU.
+* ``nccl`` — ``VLLMNcclSync`` (``clawray/weights/nccl.py``): vLLM's NCCL weight transfer, GPU.
 """
 
 from __future__ import annotations
@@ -300,7 +300,7 @@ class LoraSync(WeightSync):
 _REGISTRY: dict[str, type[WeightSync] | str] = {
     ObjectStoreSync.kind: ObjectStoreSync,
     LoraSync.kind: LoraSync,
-    "nccl": "clawray.weights_vllm:VLLMNcclSync",  # imported on use: needs vLLM only then
+    "nccl": "clawray.weights.nccl:VLLMNcclSync",  # imported on use: needs vLLM only then
 }
 
 

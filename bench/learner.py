@@ -368,7 +368,7 @@ def measure_sync(core: Any, model_path: Path, batches: list, versions: int,
 
     from clawray.config import ClawRayConfig
     from clawray.serve.app import build_app
-    from clawray.serve.control import get_app_control
+    from clawray.weights.control import get_app_control
     from clawray.weights.sync import ObjectStoreSync, copy_baseline
 
     started = time.perf_counter()

@@ -17,7 +17,7 @@ from clawray.judging.judge_server import JudgeCore
 from clawray.judging.step_rm import build_step_rm_prompt
 from clawray.rlanything.core import rm_consistency_rewards
 from clawray.rlanything.rm_trainer import rm_rows, start_rm_cotrainer
-from clawray.serve.control import get_app_control, judge_channel
+from clawray.weights.control import get_app_control, judge_channel
 
 APP = "rmco"
 PROMPT = build_step_rm_prompt("Put a clean mug in the cabinet.", [], "go to cabinet 1",

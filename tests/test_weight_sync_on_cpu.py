@@ -16,7 +16,7 @@ import pytest
 import ray
 import torch
 
-from clawray.serve.control import AppControl, get_app_control
+from clawray.weights.control import AppControl, get_app_control
 from clawray.weights.sync import ObjectStoreSync
 from conftest import API_KEY
 

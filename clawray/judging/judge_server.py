@@ -13,7 +13,7 @@ Serve deployment around it. It has no HTTP routes: voters reach it through a dep
   given: one log-prob per id, no re-tokenization, no padding.
 
 A JudgeServer replica receives weights on its own channel, ``judge_channel(app)``
-(``clawray/serve/control.py``), from the RM co-trainer (``clawray/rlanything/rm_trainer.py``);
+(``clawray/weights/control.py``), from the RM co-trainer (``clawray/rlanything/rm_trainer.py``);
 ``status()`` reports the version it serves.
 """
 
@@ -29,7 +29,7 @@ from clawray.config import ClawRayConfig
 from clawray.inference.engine import Engine, SamplingParams
 from clawray.inference.factory import make_engine
 from clawray.models.loader import ModelInfo, load_tokenizer, resolve_model_path
-from clawray.serve.control import WeightReceiver, judge_channel, start_receiver
+from clawray.weights.control import WeightReceiver, judge_channel, start_receiver
 
 logger = logging.getLogger(__name__)
 

@@ -85,7 +85,7 @@ class RMCoTrainer:
                  training: dict[str, Any] | None = None) -> None:
         from clawray.judging.judge_server import judge_model_info
         from clawray.learner.group import LearnerGroup
-        from clawray.serve.control import judge_channel, start_app_control
+        from clawray.weights.control import judge_channel, start_app_control
         from clawray.weights.sync import make_weight_sync
 
         cfg = ClawRayConfig.from_dict(config)

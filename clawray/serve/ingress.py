@@ -26,7 +26,7 @@ from clawray.models.loader import load_tokenizer
 from clawray.records import RecordSink, TeeSink, make_sink
 from clawray.serve.auth import KeyChecker
 from clawray.serve.chat import ChatService
-from clawray.serve.control import GatedSink, WeightReceiver, start_app_control, start_receiver
+from clawray.weights.control import GatedSink, WeightReceiver, start_app_control, start_receiver
 from clawray.serve.policy_server import HandlePolicy, LocalPolicy, PolicyCore, policy_model_info
 from clawray.serve.protocol import APIError, parse_feedback, parse_request
 

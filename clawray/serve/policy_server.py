@@ -21,7 +21,7 @@ from clawray.config import ClawRayConfig
 from clawray.inference.engine import Engine, EngineStatus, SamplingParams, TokenDelta, TokenOutput
 from clawray.inference.factory import make_engine
 from clawray.models.loader import ModelInfo, resolve_model_path
-from clawray.serve.control import WeightReceiver, start_receiver
+from clawray.weights.control import WeightReceiver, start_receiver
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 In the spirit of verl's checkpoint engine, a sync runs ``prepare(version)`` → ``send(state,
 version)`` → (each replica) ``receive(engine, payload, version)`` → ``finalize(version)``.
-The learner side publishes through the app's ``AppControl`` actor (``clawray/serve/control.py``);
+The learner side publishes through the app's ``AppControl`` actor (``clawray/weights/control.py``);
 every replica's ``WeightReceiver`` applies the payload between two generation steps and reports,
 and ``finalize`` returns once every live replica serves the new version. Serving never stops:
 requests in flight finish on the new weights and record ``policy_version_end``.
@@ -77,7 +77,7 @@ class WeightSync(abc.ABC):
     @property
     def control(self) -> Any:
         if self._control is None:
-            from clawray.serve.control import get_app_control
+            from clawray.weights.control import get_app_control
 
             try:
                 self._control = get_app_control(self.app_name)

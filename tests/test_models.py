@@ -22,7 +22,7 @@ from clawray.models.loader import (
     resolve_model_path,
 )
 from clawray.models.tiny import ADDED_TOKENS, TinyModelSpec, build_embedded_default
-from clawray.serve.tool_parser import parse_tool_calls
+from clawray.models.tool_calls import parse_tool_calls
 from conftest import FIXTURES, load_fixture
 
 FIXTURE_NAMES = sorted(p.name for p in FIXTURES.glob("*.json"))

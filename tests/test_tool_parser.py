@@ -8,7 +8,7 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clawray.serve.tool_parser import (
+from clawray.models.tool_calls import (
     ContentDelta,
     ParsedToolCall,
     StreamingToolCallParser,

@@ -113,7 +113,7 @@ class Action:
     @classmethod
     def from_text(cls, text: str) -> "Action":
         """Parse a completion the way serving does (``<tool_call>`` blocks → tool calls)."""
-        from clawray.serve.tool_parser import parse_tool_calls
+        from clawray.models.tool_calls import parse_tool_calls
 
         content, calls = parse_tool_calls(text)
         return cls(content or "", [c.to_openai() for c in calls])

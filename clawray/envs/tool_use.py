@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 
 from clawray.envs.base import (Action, Direction, EnvError, Param, StepResult, Task,
                                TaskFamily, TextEnv)
-from clawray.serve.tool_parser import TOOL_CALL_START
+from clawray.models.tool_calls import TOOL_CALL_START
 
 NAME = "tool_use"
 SYSTEM_PROMPT = ("Answer the user's question by calling the tools; the numbers you need come "

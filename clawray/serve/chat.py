@@ -33,7 +33,7 @@ from clawray.serve.protocol import (
     normalize_tools,
 )
 from clawray.serve.session_meta import SessionMeta, session_meta
-from clawray.serve.tool_parser import (
+from clawray.models.tool_calls import (
     ContentDelta,
     StreamingToolCallParser,
     ToolCallEvent,

@@ -12,7 +12,7 @@ import pytest
 from clawray.config import ClawRayConfig
 from clawray.inference.engine import SamplingParams
 from clawray.judging.backends import ServerBackend
-from clawray.judging.judge_server import JudgeCore, JudgeInputError, JudgeServer
+from clawray.serve.judge_server import JudgeCore, JudgeInputError, JudgeServer
 from clawray.judging.opd import inject_hint, token_advantages
 from clawray.judging.parse import tally
 from clawray.judging.prompts import TurnContext, build_judge_request

@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from clawray.config import ClawRayConfig
-from clawray.judging.judge_server import JudgeCore
+from clawray.serve.judge_server import JudgeCore
 from clawray.judging.step_rm import build_step_rm_prompt
 from clawray.rlanything.core import rm_consistency_rewards
 from clawray.rlanything.rm_trainer import rm_rows, start_rm_cotrainer

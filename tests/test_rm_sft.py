@@ -41,7 +41,7 @@ def mixed_contexts(tiny_tokenizer):
 def test_rows_are_the_judge_servers_prompt_and_the_oracle_verdict(mixed_contexts,
                                                                   tiny_tokenizer):
     from clawray.inference.fixed_latency import FixedLatencyEngine
-    from clawray.judging.judge_server import JudgeCore
+    from clawray.serve.judge_server import JudgeCore
     from clawray.rlanything.rm_sft import rm_sft_rows
 
     judge = JudgeCore(ClawRayConfig(), engine=FixedLatencyEngine(max_model_len=32768),

@@ -21,7 +21,7 @@ from typing import Any
 from ray.serve import Application
 
 from clawray.config import ClawRayConfig
-from clawray.judging.judge_server import JudgeServer
+from clawray.serve.judge_server import JudgeServer
 from clawray.serve.ingress import Ingress
 from clawray.serve.policy_server import PolicyServer
 

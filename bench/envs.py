@@ -186,7 +186,7 @@ def generation_load_class() -> Any:
 
         def __init__(self, config: dict[str, Any], app: str) -> None:
             from clawray.config import ClawRayConfig
-            from clawray.envs.runner import policy_handle
+            from clawray.rollout.runner import policy_handle
             from clawray.inference.engine import SamplingParams
 
             cfg = ClawRayConfig.from_dict(config)
@@ -268,7 +268,7 @@ def measure_runners(cfg: Any, n: int, args: argparse.Namespace) -> dict[str, Any
     ``stats()`` over the window, stop and shut down."""
     import ray
 
-    from clawray.envs.runner import EnvRunnerGroup
+    from clawray.rollout.runner import EnvRunnerGroup
 
     t_setup = time.perf_counter()
     group = EnvRunnerGroup(runner_config(cfg, n), APP)
@@ -557,7 +557,7 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print
         machine["load_avg_start"] = [round(x, 2) for x in os.getloadavg()]
         rounds = measure(cfg, load, prompts, args, log)
         machine["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
-        from clawray.envs.runner import NAMESPACE as ENV_NAMESPACE, env_names
+        from clawray.rollout.runner import NAMESPACE as ENV_NAMESPACE, env_names
 
         buffer = ray.get_actor(env_names(APP, cfg)["buffer"], namespace=ENV_NAMESPACE)
         row_lengths = runner_prompt_lengths(cfg, buffer)

@@ -123,7 +123,7 @@ class Trainer(tune.Trainable):
         self.envs = None
         self.rla = None
         if t.mode != "live":
-            from clawray.envs.runner import EnvRunnerGroup
+            from clawray.rollout.runner import EnvRunnerGroup
 
             self.envs = EnvRunnerGroup(self.cfg, self.app)
             if t.mode == "rlanything":

@@ -64,7 +64,7 @@ def check_envs(tmp: str, timeout_s: float, runner_num_cpus: float) -> dict:
     from ray import serve
 
     from clawray.config import ClawRayConfig
-    from clawray.envs.runner import EnvRunnerGroup
+    from clawray.rollout.runner import EnvRunnerGroup
     from clawray.serve.app import build_app
 
     # One HTTP proxy (on the head): both simulated nodes share 127.0.0.1.

@@ -52,7 +52,7 @@ def _assert_whole_groups(rows):
 
 
 def test_runners_play_groups_into_the_env_buffer_and_report_to_the_curriculum(env_app):
-    from clawray.envs.runner import EnvRunnerGroup
+    from clawray.rollout.runner import EnvRunnerGroup
 
     group = EnvRunnerGroup(env_app, APP)
     try:
@@ -88,7 +88,7 @@ def group_task(i: int):
 
 
 def test_a_killed_runner_is_replaced_and_its_leases_are_played_again(env_app):
-    from clawray.envs.runner import EnvRunnerGroup
+    from clawray.rollout.runner import EnvRunnerGroup
 
     group = EnvRunnerGroup(env_app, APP)
     try:

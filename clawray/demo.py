@@ -114,7 +114,7 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
                  log: Any = print) -> dict[str, Any]:
     """Evaluate, train from simulated live users, evaluate again; return the summary."""
     from clawray.sim.users import evaluate
-    from clawray.trainer import Trainer
+    from clawray.training.trainer import Trainer
 
     started = time.monotonic()
     before = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed))

@@ -97,7 +97,7 @@ def run_env_learning(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS
                      eval_n: int = EVAL_N, eval_every: int = 10, seed: int = SEED,
                      progress: bool = True) -> dict[str, Any]:
     """Train ``iterations`` env iterations on an app already serving ``cfg``'s model."""
-    from clawray.trainer import Trainer
+    from clawray.training.trainer import Trainer
 
     tasks = held_out_tasks(cfg, eval_n, seed) * EVAL_SAMPLES
     trainer = Trainer(config=cfg.to_dict())

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from clawray.trainer import Trainer
+    from clawray.training.trainer import Trainer
 
     if not ray.is_initialized():
         ray.init(address=args.address, num_cpus=args.num_cpus, include_dashboard=False,

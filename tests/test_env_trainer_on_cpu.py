@@ -39,7 +39,7 @@ def env_cfg(served, tmp_path_factory):
 
 
 def test_env_mode_trains_on_grpo_groups_and_serving_gets_the_weights(env_cfg, tmp_path):
-    from clawray.trainer import Trainer
+    from clawray.training.trainer import Trainer
 
     trainer = Trainer(config=env_cfg.to_dict())
     try:
@@ -62,7 +62,7 @@ def test_env_mode_trains_on_grpo_groups_and_serving_gets_the_weights(env_cfg, tm
 
 
 def test_mixed_mode_takes_the_configured_share_from_each_buffer(env_cfg):
-    from clawray.trainer import Trainer
+    from clawray.training.trainer import Trainer
 
     cfg = env_cfg.copy_with(training={"mode": "mixed", "env_fraction": 0.5,
                                       "take_timeout_s": 5})

@@ -38,7 +38,7 @@ def rla_cfg(served, tmp_path_factory):
 
 
 def test_rlanything_mode_runs_every_phase_on_one_batch_and_trains_the_policy(rla_cfg, tmp_path):
-    from clawray.trainer import Trainer
+    from clawray.training.trainer import Trainer
 
     trainer = Trainer(config=rla_cfg.to_dict())
     try:

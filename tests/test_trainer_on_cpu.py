@@ -65,7 +65,7 @@ def app(served, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trainer(app):
-    from clawray.trainer import Trainer
+    from clawray.training.trainer import Trainer
 
     cfg, _ = app
     t = Trainer(config=cfg.to_dict())
@@ -149,7 +149,7 @@ def test_training_and_syncing_under_load_fail_no_request(app, trainer):
 
 
 def test_checkpoint_kill_restore_resumes_version_and_buffer_offset(app, trainer, tmp_path):
-    from clawray.trainer import Trainer
+    from clawray.training.trainer import Trainer
 
     cfg, client = app
     saved = trainer.save_checkpoint(str(tmp_path))
@@ -174,7 +174,7 @@ def test_checkpoint_kill_restore_resumes_version_and_buffer_offset(app, trainer,
 def test_tune_runs_and_checkpoints_the_trainer(app, tmp_path):
     from ray import tune
 
-    from clawray.trainer import Trainer
+    from clawray.training.trainer import Trainer
 
     cfg, client = app
     for i in range(3):

@@ -201,7 +201,7 @@ def _run_row(cfg: ClawRayConfig, steps: int, tasks: list[Any], contexts: list[An
     from ray import serve
 
     from clawray.serve.app import build_app
-    from clawray.trainer import Trainer
+    from clawray.training.trainer import Trainer
 
     app = cfg.training_cfg.app
     serve.run(build_app(cfg), name=app, route_prefix=f"/{app}")

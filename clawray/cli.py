@@ -84,7 +84,7 @@ def cmd_rm_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from clawray.sft import run_sft
+    from clawray.training.sft import run_sft
     from clawray.train import load_config, apply_sets
 
     cfg = apply_sets(load_config(args.config), args.set).validate()

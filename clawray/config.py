@@ -341,7 +341,7 @@ class CurriculumConfig(_Section):
 
 
 class SFTConfig(_Section):
-    """``clawray sft``: supervised warm start on expert demonstrations (``clawray/sft.py``)."""
+    """``clawray sft``: supervised warm start on expert demonstrations (``clawray/training/sft.py``)."""
 
     tasks: int = Field(600, ge=1, description="Expert episodes generated for training.")
     steps: int = Field(300, ge=1, description="Optimizer steps.")

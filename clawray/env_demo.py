@@ -78,7 +78,7 @@ def env_demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED,
 
 def held_out_tasks(cfg: ClawRayConfig, n: int, seed: int) -> list[Any]:
     from clawray.envs import make_family
-    from clawray.sft import demo_tasks
+    from clawray.training.sft import demo_tasks
 
     family = make_family(cfg.environments_cfg.family, **cfg.environments_cfg.family_kwargs)
     return demo_tasks(family, n, EVAL_MAX_DIFFICULTY, seed + 7_777_777)
@@ -231,7 +231,7 @@ def run_env_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
     from ray import serve
 
     from clawray.serve.app import build_app
-    from clawray.sft import run_sft
+    from clawray.training.sft import run_sft
 
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("samples", "samples-env", "checkpoints"):

@@ -112,7 +112,7 @@ def test_rm_sft_trains_on_the_policys_steps_and_is_cached_by_setting(tmp_path,
                                                                      tiny_model_path):
     from clawray.models.loader import load_model
     from clawray.rlanything.rm_sft import rm_sft_key, run_rm_sft
-    from clawray.sft import INFO
+    from clawray.training.sft import INFO
 
     cfg = _cfg(tmp_path)
     first = run_rm_sft(cfg, tiny_model_path, progress=False, n_tasks=1, max_difficulty=0.2)
@@ -149,7 +149,7 @@ def test_rm_sft_trains_on_the_policys_steps_and_is_cached_by_setting(tmp_path,
 
 def test_run_sft_saves_through_the_shared_cache_writer(tmp_path, tiny_model_path,
                                                        monkeypatch):
-    import clawray.sft as sft
+    import clawray.training.sft as sft
     from clawray.models.loader import load_model
 
     calls = []

@@ -21,7 +21,7 @@ def _cfg(tmp_path, **sft):
 
 def test_sft_trains_saves_a_loadable_model_and_is_cached_by_config(tmp_path, tiny_model_path):
     from clawray.models.loader import load_model
-    from clawray.sft import INFO, run_sft
+    from clawray.training.sft import INFO, run_sft
 
     cfg = _cfg(tmp_path)
     first = run_sft(cfg, progress=False)
@@ -42,7 +42,7 @@ def test_sft_trains_saves_a_loadable_model_and_is_cached_by_config(tmp_path, tin
 
 
 def test_live_rows_keep_positive_turns_as_sft_rows(tmp_path):
-    from clawray.sft import live_rows
+    from clawray.training.sft import live_rows
 
     def turn(i, reward, mask=1):
         return make_row(sample_id=f"t{i}", kind="rl", source="live", session_id="s", turn=i,
@@ -59,7 +59,7 @@ def test_live_rows_keep_positive_turns_as_sft_rows(tmp_path):
 
 def test_bad_family_in_config_is_a_clear_error(tmp_path):
     from clawray.envs import EnvError
-    from clawray.sft import run_sft
+    from clawray.training.sft import run_sft
 
     cfg = _cfg(tmp_path).environments(family="nosuchmodule:Family")
     with pytest.raises(EnvError, match="cannot import"):

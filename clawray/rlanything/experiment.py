@@ -119,7 +119,7 @@ def warm_starts(cfg: ClawRayConfig, sft_seed: int, label_noise: float,
     policy's steps) every row starts from; both cached by their settings."""
     from clawray.env_demo import EVAL_MAX_DIFFICULTY, env_demo_config
     from clawray.rlanything.rm_sft import run_rm_sft
-    from clawray.sft import run_sft
+    from clawray.training.sft import run_sft
 
     demo = env_demo_config(cfg, Path("."), sft_seed)
     if scale.sft_steps is not None:

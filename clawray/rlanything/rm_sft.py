@@ -46,7 +46,7 @@ from clawray.judging.step_rm import parse_step_score
 from clawray.models.chat_template import IM_END
 from clawray.rlanything.steps import StepContext, step_contexts, step_rm_request
 from clawray.samples import make_row
-from clawray.sft import (SFTResult, _files_digest, _train, cached_result, demo_tasks,
+from clawray.training.sft import (SFTResult, _files_digest, _train, cached_result, demo_tasks,
                          learner_settings, play_tasks, save_result)
 
 logger = logging.getLogger(__name__)

@@ -63,7 +63,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_rm_sft(args: argparse.Namespace) -> int:
-    from clawray.rlanything.rm_sft import run_rm_sft
+    from clawray.training.rm_sft import run_rm_sft
     from clawray.train import apply_sets, load_config
 
     cfg = apply_sets(load_config(args.config), args.set).validate()

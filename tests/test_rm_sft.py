@@ -23,7 +23,7 @@ from env_policies import scripted
 def mixed_contexts(tiny_tokenizer):
     """Steps of two household tasks: the expert's (progress) and a policy that only says an
     invalid action (no progress)."""
-    from clawray.rlanything.rm_sft import _expert_episode
+    from clawray.training.rm_sft import _expert_episode
 
     family = make_family("household")
     out = []
@@ -42,7 +42,7 @@ def test_rows_are_the_judge_servers_prompt_and_the_oracle_verdict(mixed_contexts
                                                                   tiny_tokenizer):
     from clawray.inference.fixed_latency import FixedLatencyEngine
     from clawray.serve.judge_server import JudgeCore
-    from clawray.rlanything.rm_sft import rm_sft_rows
+    from clawray.training.rm_sft import rm_sft_rows
 
     judge = JudgeCore(ClawRayConfig(), engine=FixedLatencyEngine(max_model_len=32768),
                       tokenizer=tiny_tokenizer)
@@ -59,7 +59,7 @@ def test_rows_are_the_judge_servers_prompt_and_the_oracle_verdict(mixed_contexts
 
 
 def test_the_majority_class_is_cut_to_twice_the_minority(mixed_contexts, tiny_tokenizer):
-    from clawray.rlanything.rm_sft import rm_sft_rows
+    from clawray.training.rm_sft import rm_sft_rows
 
     plus = [c for c in mixed_contexts if c.progress][:3]
     minus = [dataclasses.replace(c, step=100 + i)
@@ -76,7 +76,7 @@ def test_the_majority_class_is_cut_to_twice_the_minority(mixed_contexts, tiny_to
 
 
 def test_label_noise_flips_about_that_share_of_verdicts(mixed_contexts, tiny_tokenizer):
-    from clawray.rlanything.rm_sft import rm_sft_rows
+    from clawray.training.rm_sft import rm_sft_rows
 
     many = mixed_contexts * 20
     clean = rm_sft_rows(many, tiny_tokenizer, 0)
@@ -90,7 +90,7 @@ def test_label_noise_flips_about_that_share_of_verdicts(mixed_contexts, tiny_tok
 
 
 def test_step_accuracy_counts_parseable_votes_majorities_and_ties():
-    from clawray.rlanything.rm_sft import step_accuracy
+    from clawray.training.rm_sft import step_accuracy
 
     got = step_accuracy([True, False, True, False],
                         [[1, 1, -1], [None, None, None], [1, -1, None], [-1, -1, 1]])
@@ -111,7 +111,7 @@ def _cfg(tmp_path):
 def test_rm_sft_trains_on_the_policys_steps_and_is_cached_by_setting(tmp_path,
                                                                      tiny_model_path):
     from clawray.models.loader import load_model
-    from clawray.rlanything.rm_sft import rm_sft_key, run_rm_sft
+    from clawray.training.rm_sft import rm_sft_key, run_rm_sft
     from clawray.training.sft import INFO
 
     cfg = _cfg(tmp_path)

@@ -118,7 +118,7 @@ def warm_starts(cfg: ClawRayConfig, sft_seed: int, label_noise: float,
     """The policy (``clawray sft``, seeded ``sft_seed``) and the RM (``clawray rm-sft`` on that
     policy's steps) every row starts from; both cached by their settings."""
     from clawray.env_demo import EVAL_MAX_DIFFICULTY, env_demo_config
-    from clawray.rlanything.rm_sft import run_rm_sft
+    from clawray.training.rm_sft import run_rm_sft
     from clawray.training.sft import run_sft
 
     demo = env_demo_config(cfg, Path("."), sft_seed)
@@ -141,7 +141,7 @@ def measure(trainer: Any, cfg: ClawRayConfig, tasks: list[Any],
     accuracy on ``contexts``."""
     from clawray.env_demo import held_out_success
     from clawray.rlanything.loop import StepScorer
-    from clawray.rlanything.rm_sft import step_accuracy
+    from clawray.training.rm_sft import step_accuracy
 
     t0 = time.perf_counter()
     held = held_out_success(trainer, cfg, tasks)
@@ -261,7 +261,7 @@ def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], rows: list[str] |
     idle, as the small scale does; the measured table ran its rows one after another, each on
     its own cluster)."""
     from clawray.env_demo import EVAL_MAX_DIFFICULTY, EVAL_SAMPLES, held_out_tasks
-    from clawray.rlanything.rm_sft import EVAL_SEED_OFFSET, collect_steps
+    from clawray.training.rm_sft import EVAL_SEED_OFFSET, collect_steps
 
     rows = rows or list(ROWS)
     check_rows(rows)  # before any row runs

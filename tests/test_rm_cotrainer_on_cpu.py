@@ -16,7 +16,7 @@ from clawray.config import ClawRayConfig
 from clawray.serve.judge_server import JudgeCore
 from clawray.judging.step_rm import build_step_rm_prompt
 from clawray.rlanything.core import rm_consistency_rewards
-from clawray.rlanything.rm_trainer import rm_rows, start_rm_cotrainer
+from clawray.rlanything.rm_cotrainer import rm_rows, start_rm_cotrainer
 from clawray.weights.control import get_app_control, judge_channel
 
 APP = "rmco"

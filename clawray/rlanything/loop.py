@@ -134,7 +134,7 @@ class TaskResult:
 def task_result(episodes: Sequence[Episode], scored: Sequence[Sequence[ScoredStep]],
                 r: RLAnythingConfig, train_rm: bool) -> TaskResult:
     """Rewards, advantages, rows and the critique of one task's rollouts (pure; no Ray)."""
-    from clawray.rlanything.rm_trainer import rm_rows
+    from clawray.rlanything.rm_cotrainer import rm_rows
 
     outcomes = [1 if ep.success else -1 for ep in episodes]
     acc = core.accuracy(outcomes)
@@ -210,7 +210,7 @@ class RLAnythingLoop:
         self.rm = None
         self.rm_buffer = None
         if self.train_rm:
-            from clawray.rlanything.rm_trainer import start_rm_cotrainer
+            from clawray.rlanything.rm_cotrainer import start_rm_cotrainer
 
             self.rm = start_rm_cotrainer(cfg, app)
             self.rm_buffer = start_sample_buffer(

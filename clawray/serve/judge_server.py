@@ -13,7 +13,7 @@ Serve deployment around it. It has no HTTP routes: voters reach it through a dep
   given: one log-prob per id, no re-tokenization, no padding.
 
 A JudgeServer replica receives weights on its own channel, ``judge_channel(app)``
-(``clawray/weights/control.py``), from the RM co-trainer (``clawray/rlanything/rm_trainer.py``);
+(``clawray/weights/control.py``), from the RM co-trainer (``clawray/rlanything/rm_cotrainer.py``);
 ``status()`` reports the version it serves.
 """
 

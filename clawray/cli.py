@@ -116,7 +116,7 @@ def cmd_env_demo(args: argparse.Namespace) -> int:
 def cmd_rla_table(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from clawray.rlanything.experiment import SCALES, run_table, table_markdown, warm_starts
+    from clawray.apps.rla_table import SCALES, run_table, table_markdown, warm_starts
     from clawray.train import apply_sets, load_config
 
     cfg = apply_sets(load_config(args.config), args.set).validate()
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="flip this share of the oracle labels (an imperfect RM to co-train)")
     p.add_argument("--force", action="store_true", help="retrain even if cached")
     p.set_defaults(fn=cmd_rm_sft)
-    from clawray.rlanything.experiment import RM_LABEL_NOISE, ROWS, SCALES
+    from clawray.apps.rla_table import RM_LABEL_NOISE, ROWS, SCALES
 
     p = sub.add_parser("rla-table", help="RLAnything's Table 1 on household tasks")
     p.add_argument("-c", "--config", help="clawray YAML (model:, inference: ...)")

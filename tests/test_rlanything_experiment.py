@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from clawray.config import ClawRayConfig
-from clawray.rlanything.experiment import (FULL, ROWS, SMALL, plot_table, summarize,
+from clawray.apps.rla_table import (FULL, ROWS, SMALL, plot_table, summarize,
                                            table_config, table_markdown)
 
 

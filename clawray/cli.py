@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from clawray.config import ClawRayConfig, ConfigError
-from clawray.launch import start_serving
+from clawray.apps.launch import start_serving
 
 
 def _config(args: argparse.Namespace) -> ClawRayConfig:

@@ -38,7 +38,7 @@ USER_TURNS = [
 def run_replay(cfg: ClawRayConfig, records_dir: Path) -> int:
     from openai import OpenAI
 
-    from clawray.launch import start_serving
+    from clawray.apps.launch import start_serving
     from clawray.models.loader import load_tokenizer
     from clawray.serve.policy_server import policy_model_info
 

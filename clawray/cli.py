@@ -48,7 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from clawray.demo import run_demo
+    from clawray.apps.demo import run_demo
 
     cfg = _config(args)
     return run_demo(cfg, Path(args.out), iterations=args.iterations, users=args.users,
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                            help="override one of the demo's settings, e.g. training.lr=1e-4 "
                                 "(repeatable)")
         if name == "demo":
-            from clawray.demo import ITERATIONS, SEED, USERS
+            from clawray.apps.demo import ITERATIONS, SEED, USERS
 
             p.add_argument("--iterations", type=int, default=ITERATIONS)
             p.add_argument("--users", type=int, default=USERS)

@@ -1,7 +1,7 @@
 """Seeded end-to-end learning on CPU: simulated users who want brief replies chat with the
 embedded model through the HTTP API while the trainer learns from their judged turns; the
 satisfaction rate on a fixed evaluation set (side turns, seeded sampling) must rise well beyond
-run-to-run noise. The same code path as ``clawray demo`` (``clawray.demo.run_learning``).
+run-to-run noise. The same code path as ``clawray demo`` (``clawray.apps.demo.run_learning``).
 
 Margin: the evaluation set has 100 requests, so one rate's binomial standard error is at most
 0.05; the test asks for a rise of at least 0.15 (three of them) from a base rate measured in
@@ -26,7 +26,7 @@ ITERATIONS = 40  # as the demo: at 30, one CI run of five rose by only 0.14 (0.3
 def test_live_users_satisfaction_rises_with_training(served, tmp_path):
     from ray import serve
 
-    from clawray.demo import demo_config, run_learning
+    from clawray.apps.demo import demo_config, run_learning
     from clawray.serve.app import build_app
 
     cfg = demo_config(ClawRayConfig().serving(api_keys=[API_KEY]), tmp_path, seed=0) \

@@ -101,13 +101,13 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_env_demo(args: argparse.Namespace) -> int:
-    from clawray.env_demo import run_env_demo
+    from clawray.apps.env_demo import run_env_demo
 
     cfg = _config(args)
     kwargs = {"iterations": args.iterations, "eval_n": args.eval_n,
               "eval_every": args.eval_every, "sets": args.set}
     if args.seeds:
-        from clawray.env_demo import run_env_demo_seeds
+        from clawray.apps.env_demo import run_env_demo_seeds
 
         return run_env_demo_seeds(cfg, Path(args.out), args.seeds, args.sft_seed, **kwargs)
     return run_env_demo(cfg, Path(args.out), seed=args.seed, sft_seed=args.sft_seed, **kwargs)
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         if name in ("demo", "replay", "env-demo"):
             p.add_argument("--out", default=f"{name}-output", help="where results go")
         if name == "env-demo":
-            from clawray.env_demo import EVAL_N, ITERATIONS as ENV_ITERATIONS
+            from clawray.apps.env_demo import EVAL_N, ITERATIONS as ENV_ITERATIONS
 
             p.add_argument("--iterations", type=int, default=ENV_ITERATIONS)
             p.add_argument("--eval-n", type=int, default=EVAL_N)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from clawray.config import ClawRayConfig, ConfigError
-from clawray.env_demo import env_demo_config, plot_env_progress
+from clawray.apps.env_demo import env_demo_config, plot_env_progress
 
 
 def test_seed_seeds_the_run_and_sft_seed_the_warm_start(tmp_path):
@@ -47,7 +47,7 @@ def summary(seed: int, curve: list[float]) -> dict:
 
 
 def test_seeds_are_summarized_by_their_rises_and_plotted(tmp_path):
-    from clawray.env_demo import aggregate_seeds, plot_seeds
+    from clawray.apps.env_demo import aggregate_seeds, plot_seeds
 
     agg = aggregate_seeds([summary(0, [0.2, 0.3]), summary(1, [0.2, 0.25, 0.1]),
                            summary(2, [0.3, 0.4])])

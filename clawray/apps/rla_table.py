@@ -93,7 +93,7 @@ def check_rows(rows: list[str]) -> None:
 def table_config(cfg: ClawRayConfig, out: Path, row: str, seed: int, policy: str,
                  rm: str, scale: Scale = FULL) -> ClawRayConfig:
     """One row's settings: the env-demo's environment, the warm starts, the row's switches."""
-    from clawray.env_demo import env_demo_config
+    from clawray.apps.env_demo import env_demo_config
 
     check_rows([row])
     run = out / f"seed{seed}" / row.replace("+", "_")
@@ -117,7 +117,7 @@ def warm_starts(cfg: ClawRayConfig, sft_seed: int, label_noise: float,
                 scale: Scale = FULL, progress: bool = True) -> tuple[str, str]:
     """The policy (``clawray sft``, seeded ``sft_seed``) and the RM (``clawray rm-sft`` on that
     policy's steps) every row starts from; both cached by their settings."""
-    from clawray.env_demo import EVAL_MAX_DIFFICULTY, env_demo_config
+    from clawray.apps.env_demo import EVAL_MAX_DIFFICULTY, env_demo_config
     from clawray.training.rm_sft import run_rm_sft
     from clawray.training.sft import run_sft
 
@@ -139,7 +139,7 @@ def measure(trainer: Any, cfg: ClawRayConfig, tasks: list[Any],
             contexts: list[Any]) -> dict[str, Any]:
     """(i) held-out policy success through serving (the env-demo's evaluation); (ii) RM step
     accuracy on ``contexts``."""
-    from clawray.env_demo import held_out_success
+    from clawray.apps.env_demo import held_out_success
     from clawray.rlanything.loop import StepScorer
     from clawray.training.rm_sft import step_accuracy
 
@@ -260,7 +260,7 @@ def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], rows: list[str] |
     ``parallel``: a seed's rows run at once on one cluster (faster where the rows leave cores
     idle, as the small scale does; the measured table ran its rows one after another, each on
     its own cluster)."""
-    from clawray.env_demo import EVAL_MAX_DIFFICULTY, EVAL_SAMPLES, held_out_tasks
+    from clawray.apps.env_demo import EVAL_MAX_DIFFICULTY, EVAL_SAMPLES, held_out_tasks
     from clawray.training.rm_sft import EVAL_SEED_OFFSET, collect_steps
 
     rows = rows or list(ROWS)

@@ -56,7 +56,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from clawray.replay import run_replay
+    from clawray.apps.replay import run_replay
 
     cfg = _config(args)
     return run_replay(cfg, records_dir=Path(args.out))

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["samples"]:
-        from clawray.samples_cli import main as samples_main
+        from clawray.apps.samples import main as samples_main
 
         return samples_main(argv[1:])
     parser = argparse.ArgumentParser(prog="clawray", description=__doc__,

@@ -248,7 +248,7 @@ def test_stats_count_wal_bytes_and_write_time(tmp_path):
 def test_samples_cli_reports_stats_and_head_of_a_wal(tmp_path):
     import io
 
-    from clawray.samples_cli import main
+    from clawray.apps.samples import main
 
     core = SampleBufferCore(tmp_path, seal_rows=4)
     core.add([make_row(sample_id=f"c-{i}", kind="opd" if i < 2 else "rl", source="live",

@@ -7,7 +7,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	.venv/bin/python -m clawray.cli demo --out demo-output
+	.venv/bin/python -m clawray.apps.cli demo --out demo-output
 
 test: setup
 	.venv/bin/python -m pytest -q --durations=25

@@ -570,3 +570,34 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def load_config(path: str | None, app: str | None = None) -> ClawRayConfig:
+    """A clawray config from a clawray YAML or a Serve config (``applications[].args``)."""
+    if not path:
+        return ClawRayConfig()
+    data: Any = yaml.safe_load(Path(path).read_text()) if Path(path).is_file() else None
+    if data is None:
+        raise ConfigError(f"config file not found or empty: {path}")
+    if isinstance(data, dict) and "applications" in data:
+        apps = data["applications"]
+        chosen = next((a for a in apps if app is None or a.get("name") == app), None)
+        if chosen is None:
+            raise ConfigError(f"{path}: no application named {app!r}")
+        args = dict(chosen.get("args") or {})
+        if set(args) == {"config"}:
+            return load_config(args["config"]).training(app=chosen.get("name", "clawray"))
+        cfg = ClawRayConfig.from_dict(args)
+        return cfg.training(app=chosen.get("name", cfg.training_cfg.app))
+    return ClawRayConfig.from_dict(data)
+
+
+def apply_sets(cfg: ClawRayConfig, items: list[str]) -> ClawRayConfig:
+    """``--set section.key=value`` overrides (values parsed as YAML)."""
+    for item in items:
+        key, eq, value = item.partition("=")
+        section, dot, field = key.strip().partition(".")
+        if not (eq and dot and section and field):
+            raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        cfg = cfg.copy_with(**{section: {field: yaml.safe_load(value)}})
+    return cfg

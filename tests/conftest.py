@@ -29,7 +29,7 @@ def free_port() -> int:
 
 RLA_NOTEBOOK_TEST = "test_rlanything_notebook"
 RLA_WARM_STARTS = pytest.StashKey[tuple]()  # (the background build, its log file)
-RLA_WARM_STARTS_CMD = ["-m", "clawray.cli", "rla-table", "--scale", "small", "--warm-starts-only"]
+RLA_WARM_STARTS_CMD = ["-m", "clawray.apps.cli", "rla-table", "--scale", "small", "--warm-starts-only"]
 
 
 def pytest_collection_finish(session):

@@ -71,7 +71,7 @@ def env_demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED,
                   "learner_num_cpus": 0.5, "seed": seed,
                   "checkpoint_dir": str(out / "checkpoints"),
                   "metrics_path": str(out / "metrics.jsonl")})
-    from clawray.train import apply_sets
+    from clawray.config import apply_sets
 
     return apply_sets(demo, sets or [])
 

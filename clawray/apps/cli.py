@@ -1,0 +1,243 @@
+"""``clawray`` command line: build the embedded model, serve, and run the demo.
+
+    clawray build-model           # build (or reuse) the embedded tiny model, print its folder
+    clawray serve [-c cfg.yaml]   # start Ray + the Serve app and block (Ctrl-C stops)
+    clawray demo                  # serve + train from simulated users; the model visibly learns
+    clawray replay                # serve the embedded default and replay an OpenClaw session
+    clawray sft [-c cfg.yaml]     # warm-start the policy on expert demos (cached), print its folder
+    clawray rm-sft [-c cfg.yaml]  # warm-start the step-wise reward model on oracle-labelled steps
+    clawray env-demo              # sft + GRPO on household tasks with a curriculum, before/after
+    clawray rla-table             # RLAnything's Table 1 (policy / +RM / +env) on household tasks
+    clawray samples stats PATH    # the sample log: counts, rewards; `samples head PATH -n 5`
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from clawray.config import ClawRayConfig, ConfigError
+from clawray.apps.launch import start_serving
+
+
+def _config(args: argparse.Namespace) -> ClawRayConfig:
+    """The config from ``--config`` and ``--port``, validated, with the embedded model built."""
+    cfg = ClawRayConfig.from_yaml(args.config) if args.config else ClawRayConfig()
+    if args.port:
+        cfg.serving(port=args.port)
+    cfg.validate()
+    _prebuild(cfg)
+    return cfg
+
+
+def cmd_build_model(args: argparse.Namespace) -> int:
+    from clawray.models.tiny import build_embedded_default
+
+    print(build_embedded_default(progress=True))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    print(f"clawray: serving {cfg.model_cfg.path} at http://{cfg.serving_cfg.host}:"
+          f"{cfg.serving_cfg.port}/v1 (Ctrl-C stops)", flush=True)
+    start_serving(cfg, blocking=True)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from clawray.apps.demo import run_demo
+
+    cfg = _config(args)
+    return run_demo(cfg, Path(args.out), iterations=args.iterations, users=args.users,
+                    seed=args.seed)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from clawray.apps.replay import run_replay
+
+    cfg = _config(args)
+    return run_replay(cfg, records_dir=Path(args.out))
+
+
+def cmd_rm_sft(args: argparse.Namespace) -> int:
+    from clawray.training.rm_sft import run_rm_sft
+    from clawray.config import apply_sets, load_config
+
+    cfg = apply_sets(load_config(args.config), args.set).validate()
+    _prebuild(cfg)
+    result = run_rm_sft(cfg, args.policy or cfg.model_cfg.path, force=args.force,
+                        n_tasks=args.tasks, max_difficulty=args.max_difficulty,
+                        label_noise=args.label_noise)
+    info = result.info
+    print(f"clawray rm-sft: {'cached' if result.cached else 'trained'} {result.path}")
+    before, after = info.get("rm_before") or {}, info.get("rm_after") or {}
+    if after:
+        print(f"clawray rm-sft: held-out RM step accuracy {before.get('step_acc')} -> "
+              f"{after.get('step_acc')} (majority of m: {before.get('majority_acc')} -> "
+              f"{after.get('majority_acc')}; unparseable {before.get('unparseable')} -> "
+              f"{after.get('unparseable')})")
+    print(f"clawray rm-sft: use it with rlanything.rm_model_path: {result.path}")
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from clawray.training.sft import run_sft
+    from clawray.config import apply_sets, load_config
+
+    cfg = apply_sets(load_config(args.config), args.set).validate()
+    _prebuild(cfg)
+    result = run_sft(cfg, force=args.force)
+    info = result.info
+    print(f"clawray sft: {'cached' if result.cached else 'trained'} {result.path}")
+    if "success_before" in info:
+        print(f"clawray sft: held-out success on {info['eval_tasks']} {info['family']} tasks: "
+              f"{info['success_before']:.1%} -> {info['success_after']:.1%} "
+              f"(NLL {info['nll_first']:.3f} -> {info['nll_last']:.3f})")
+    print(f"clawray sft: use it with model.path: {result.path}")
+    return 0
+
+
+def cmd_env_demo(args: argparse.Namespace) -> int:
+    from clawray.apps.env_demo import run_env_demo
+
+    cfg = _config(args)
+    kwargs = {"iterations": args.iterations, "eval_n": args.eval_n,
+              "eval_every": args.eval_every, "sets": args.set}
+    if args.seeds:
+        from clawray.apps.env_demo import run_env_demo_seeds
+
+        return run_env_demo_seeds(cfg, Path(args.out), args.seeds, args.sft_seed, **kwargs)
+    return run_env_demo(cfg, Path(args.out), seed=args.seed, sft_seed=args.sft_seed, **kwargs)
+
+
+def cmd_rla_table(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from clawray.apps.rla_table import SCALES, run_table, table_markdown, warm_starts
+    from clawray.config import apply_sets, load_config
+
+    cfg = apply_sets(load_config(args.config), args.set).validate()
+    _prebuild(cfg)
+    if args.warm_starts_only:
+        policy, rm = warm_starts(cfg, args.sft_seed, args.label_noise, SCALES[args.scale])
+        print(f"clawray rla-table: warm starts ready: policy {policy}, RM {rm}")
+        return 0
+    try:
+        scale = SCALES[args.scale]
+        scale = dataclasses.replace(scale, steps=args.steps or scale.steps,
+                                    eval_tasks=args.eval_n or scale.eval_tasks)
+        summary = run_table(cfg, Path(args.out), args.seeds, args.rows.split(","),
+                            args.label_noise, args.sft_seed, scale, args.parallel)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    print(table_markdown(summary))
+    print(f"clawray rla-table: {args.out}/rla_table.json, rla_table.md, rla_table.png")
+    return 0
+
+
+def _prebuild(cfg: ClawRayConfig) -> None:
+    """Build the embedded model in this process, with progress, before replicas need it."""
+    if cfg.model_cfg.path.startswith("embedded:"):
+        from clawray.models.tiny import build_embedded_default
+
+        build_embedded_default(progress=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["samples"]:
+        from clawray.apps.samples import main as samples_main
+
+        return samples_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="clawray", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("build-model", help="build the embedded tiny model").set_defaults(
+        fn=cmd_build_model)
+    sub.add_parser("samples", help="inspect the sample log (stats, head)")
+    p = sub.add_parser("sft", help="warm-start the policy on expert demonstrations")
+    p.add_argument("-c", "--config", help="clawray YAML (environments:, sft: sections)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value, e.g. --set sft.steps=100")
+    p.add_argument("--force", action="store_true", help="retrain even if cached")
+    p.set_defaults(fn=cmd_sft)
+    p = sub.add_parser("rm-sft", help="warm-start the step-wise reward model (RLAnything)")
+    p.add_argument("-c", "--config", help="clawray YAML (environments:, sft:, rlanything:)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--policy", help="the policy whose steps are labelled (default: model.path)")
+    p.add_argument("--tasks", type=int, default=200, help="tasks the policy plays")
+    p.add_argument("--max-difficulty", type=float, default=0.5)
+    p.add_argument("--label-noise", type=float, default=0.0,
+                   help="flip this share of the oracle labels (an imperfect RM to co-train)")
+    p.add_argument("--force", action="store_true", help="retrain even if cached")
+    p.set_defaults(fn=cmd_rm_sft)
+    from clawray.apps.rla_table import RM_LABEL_NOISE, ROWS, SCALES
+
+    p = sub.add_parser("rla-table", help="RLAnything's Table 1 on household tasks")
+    p.add_argument("-c", "--config", help="clawray YAML (model:, inference: ...)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--out", default="rla-table-output", help="where results go")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="RL seeds")
+    p.add_argument("--scale", choices=list(SCALES), default="full",
+                   help="full: the measured table (~25 min per seed on 2 cores); small: short "
+                        "warm starts, 2 steps, small evaluations (a few minutes)")
+    p.add_argument("--steps", type=int, help="RLAnything steps per row (default: the scale's)")
+    p.add_argument("--rows", default=",".join(ROWS), help="rows, comma-separated")
+    p.add_argument("--eval-n", type=int,
+                   help="held-out tasks, x2 episodes (default: the scale's)")
+    p.add_argument("--label-noise", type=float, default=RM_LABEL_NOISE,
+                   help="share of flipped labels in the RM's warm start")
+    p.add_argument("--sft-seed", type=int, default=0, help="seed of both warm starts")
+    p.add_argument("--warm-starts-only", action="store_true",
+                   help="build (or find cached) the scale's warm starts, print them, stop")
+    p.add_argument("--parallel", action="store_true",
+                   help="run a seed's rows at once on one cluster (default: one after another, "
+                        "each on its own)")
+    p.set_defaults(fn=cmd_rla_table)
+    for name, fn, help_ in (("serve", cmd_serve, "serve the policy model"),
+                            ("demo", cmd_demo, "serve + train from simulated users"),
+                            ("replay", cmd_replay, "serve + replay an OpenClaw session"),
+                            ("env-demo", cmd_env_demo, "sft + GRPO on household tasks")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("-c", "--config", help="clawray YAML config")
+        p.add_argument("--port", type=int, help="HTTP port (default from config: 8000)")
+        if name in ("demo", "replay", "env-demo"):
+            p.add_argument("--out", default=f"{name}-output", help="where results go")
+        if name == "env-demo":
+            from clawray.apps.env_demo import EVAL_N, ITERATIONS as ENV_ITERATIONS
+
+            p.add_argument("--iterations", type=int, default=ENV_ITERATIONS)
+            p.add_argument("--eval-n", type=int, default=EVAL_N)
+            p.add_argument("--eval-every", type=int, default=10)
+            p.add_argument("--seed", type=int, default=0, help="seed of the RL run")
+            p.add_argument("--seeds", type=int, nargs="+",
+                           help="one run per seed (OUT/seed<k>), then their summary")
+            p.add_argument("--sft-seed", type=int, default=None,
+                           help="seed of the warm start (default: --seed)")
+            p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                           help="override one of the demo's settings, e.g. training.lr=1e-4 "
+                                "(repeatable)")
+        if name == "demo":
+            from clawray.apps.demo import ITERATIONS, SEED, USERS
+
+            p.add_argument("--iterations", type=int, default=ITERATIONS)
+            p.add_argument("--users", type=int, default=USERS)
+            p.add_argument("--seed", type=int, default=SEED)
+        p.set_defaults(fn=fn)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpx2", "httpcore", "openai"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"clawray: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

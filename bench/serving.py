@@ -89,7 +89,7 @@ def pin_model(name: str) -> dict[str, str]:
     """Resolve the model once, building the embedded default if needed, so that every server
     loads this same folder and none builds anything while it is being measured."""
     from clawray.config import ClawRayConfig
-    from clawray.serve.policy_server import policy_model_info
+    from clawray.models.loader import policy_model_info
 
     info = policy_model_info(ClawRayConfig().model(path=name))
     return {"path": str(info.path), "served_name": info.name}

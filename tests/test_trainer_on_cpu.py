@@ -75,7 +75,7 @@ def trainer(app):
 
 def _fixed_pair(cfg: ClawRayConfig) -> tuple[list[int], list[int]]:
     from clawray.models.loader import load_tokenizer
-    from clawray.serve.policy_server import policy_model_info
+    from clawray.models.loader import policy_model_info
 
     tok = load_tokenizer(policy_model_info(cfg).path)
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi there"}],

@@ -187,7 +187,7 @@ def plot_progress(summary: dict[str, Any], path: Path) -> None:
 def run_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS, users: int = USERS,
              eval_n: int = EVAL_N, seed: int = SEED) -> int:
     from clawray.apps.launch import start_serving
-    from clawray.serve.policy_server import policy_model_info
+    from clawray.models.loader import policy_model_info
 
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("samples", "checkpoints"):  # a previous run's log would be trained on

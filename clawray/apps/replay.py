@@ -40,7 +40,7 @@ def run_replay(cfg: ClawRayConfig, records_dir: Path) -> int:
 
     from clawray.apps.launch import start_serving
     from clawray.models.loader import load_tokenizer
-    from clawray.serve.policy_server import policy_model_info
+    from clawray.models.loader import policy_model_info
 
     records_dir.mkdir(parents=True, exist_ok=True)
     records_path = records_dir / "turns.jsonl"

@@ -18,9 +18,8 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
-from clawray.config import ClawRayConfig, ConfigError, apply_sets, load_config
+from clawray.config import ConfigError, apply_sets, load_config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from clawray.config import ClawRayConfig
 from clawray.models.tiny import TinyModelSpec, build_embedded_default
 
 EMBEDDED_NAME = "embedded:tiny"
@@ -124,3 +125,37 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"cannot read {str(path)!r}: {e}") from e
     return data if isinstance(data, dict) else None
+
+
+# ------------------------------------------------------------- the app's models
+
+EMBEDDED_SERVED_NAME = "clawray-tiny"
+
+
+def policy_model_info(cfg: ClawRayConfig) -> ModelInfo:
+    """The served model's folder (building the embedded default if needed) and name."""
+    m = cfg.model_cfg
+    path = resolve_model_path(m.path, seed=m.seed)
+    default_name = EMBEDDED_SERVED_NAME if m.path.startswith("embedded:") else None
+    return ModelInfo.from_path(path, m.served_name or default_name)
+
+
+def judge_model_path(cfg: ClawRayConfig) -> str | None:
+    """The folder the app's JudgeServer loads when it is not the policy model, else None.
+
+    With ``training.mode: rlanything`` and ``rlanything.rm_backend: server`` the JudgeServer is
+    the reward model that gets co-trained: ``rlanything.rm_model_path`` wins. Otherwise (and
+    when that is unset) ``judge.model_path``. One JudgeServer serves both the RM and, if
+    configured, the live PRM judge, so both see the RM's weights.
+    """
+    r = cfg.rlanything_cfg
+    if cfg.training_cfg.mode == "rlanything" and r.rm_backend == "server" and r.rm_model_path:
+        return r.rm_model_path
+    return cfg.judge_cfg.model_path
+
+
+def judge_model_info(cfg: ClawRayConfig) -> ModelInfo:
+    """The judge model's folder (``judge_model_path``), else the policy model (built if it is
+    the embedded default)."""
+    path = judge_model_path(cfg) or cfg.model_cfg.path
+    return ModelInfo.from_path(resolve_model_path(path, seed=cfg.model_cfg.seed))

@@ -83,7 +83,7 @@ class RMCoTrainer:
 
     def __init__(self, config: dict[str, Any], app: str,
                  training: dict[str, Any] | None = None) -> None:
-        from clawray.serve.judge_server import judge_model_info
+        from clawray.models.loader import judge_model_info
         from clawray.learner.group import LearnerGroup
         from clawray.weights.control import judge_channel, start_app_control
         from clawray.weights.sync import make_weight_sync

@@ -56,7 +56,7 @@ class EnvRunner:
 
     def __init__(self, config: dict[str, Any], app: str, runner_id: str) -> None:
         from clawray.models.loader import load_tokenizer
-        from clawray.serve.policy_server import policy_model_info
+        from clawray.models.loader import policy_model_info
 
         self.cfg = ClawRayConfig.from_dict(config)
         e = self.cfg.environments_cfg

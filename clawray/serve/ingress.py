@@ -22,12 +22,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clawray.config import ClawRayConfig
 from clawray.inference.engine import SamplingParams, TokenOutput
-from clawray.models.loader import load_tokenizer
+from clawray.models.loader import load_tokenizer, policy_model_info
 from clawray.records import RecordSink, TeeSink, make_sink
 from clawray.serve.auth import KeyChecker
 from clawray.serve.chat import ChatService
 from clawray.weights.control import GatedSink, WeightReceiver, start_app_control, start_receiver
-from clawray.serve.policy_server import HandlePolicy, LocalPolicy, PolicyCore, policy_model_info
+from clawray.serve.policy_server import HandlePolicy, LocalPolicy, PolicyCore
 from clawray.serve.protocol import APIError, parse_feedback, parse_request
 
 logger = logging.getLogger(__name__)

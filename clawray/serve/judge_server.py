@@ -28,7 +28,7 @@ from ray import serve
 from clawray.config import ClawRayConfig
 from clawray.inference.engine import Engine, SamplingParams
 from clawray.inference.factory import make_engine
-from clawray.models.loader import ModelInfo, load_tokenizer, resolve_model_path
+from clawray.models.loader import judge_model_info, judge_model_path, load_tokenizer
 from clawray.weights.control import WeightReceiver, judge_channel, start_receiver
 
 logger = logging.getLogger(__name__)
@@ -36,27 +36,6 @@ logger = logging.getLogger(__name__)
 
 class JudgeInputError(ValueError):
     """A judge or teacher request that cannot be served as given (e.g. too long)."""
-
-
-def judge_model_path(cfg: ClawRayConfig) -> str | None:
-    """The folder the app's JudgeServer loads when it is not the policy model, else None.
-
-    With ``training.mode: rlanything`` and ``rlanything.rm_backend: server`` the JudgeServer is
-    the reward model that gets co-trained: ``rlanything.rm_model_path`` wins. Otherwise (and
-    when that is unset) ``judge.model_path``. One JudgeServer serves both the RM and, if
-    configured, the live PRM judge, so both see the RM's weights.
-    """
-    r = cfg.rlanything_cfg
-    if cfg.training_cfg.mode == "rlanything" and r.rm_backend == "server" and r.rm_model_path:
-        return r.rm_model_path
-    return cfg.judge_cfg.model_path
-
-
-def judge_model_info(cfg: ClawRayConfig) -> ModelInfo:
-    """The judge model's folder (``judge_model_path``), else the policy model (built if it is
-    the embedded default)."""
-    path = judge_model_path(cfg) or cfg.model_cfg.path
-    return ModelInfo.from_path(resolve_model_path(path, seed=cfg.model_cfg.seed))
 
 
 class JudgeCore:

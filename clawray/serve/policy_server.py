@@ -20,21 +20,10 @@ from ray import serve
 from clawray.config import ClawRayConfig
 from clawray.inference.engine import Engine, EngineStatus, SamplingParams, TokenDelta, TokenOutput
 from clawray.inference.factory import make_engine
-from clawray.models.loader import ModelInfo, resolve_model_path
+from clawray.models.loader import ModelInfo, policy_model_info
 from clawray.weights.control import WeightReceiver, start_receiver
 
 logger = logging.getLogger(__name__)
-
-
-EMBEDDED_SERVED_NAME = "clawray-tiny"
-
-
-def policy_model_info(cfg: ClawRayConfig) -> ModelInfo:
-    """The served model's folder (building the embedded default if needed) and name."""
-    m = cfg.model_cfg
-    path = resolve_model_path(m.path, seed=m.seed)
-    default_name = EMBEDDED_SERVED_NAME if m.path.startswith("embedded:") else None
-    return ModelInfo.from_path(path, m.served_name or default_name)
 
 
 def load_policy_engine(cfg: ClawRayConfig) -> tuple[Engine, ModelInfo]:

@@ -221,7 +221,7 @@ def run_rm_sft(cfg: ClawRayConfig, policy_path: str | Path, force: bool = False,
     """Warm-start the step-wise RM on the oracle labels of the policy's steps (cached; see
     the module doc). ``base``: the model the RM starts from (default: ``model.path``)."""
     from clawray.models.loader import load_tokenizer, resolve_model_path
-    from clawray.serve.policy_server import policy_model_info
+    from clawray.models.loader import policy_model_info
 
     s, r = cfg.sft_cfg, cfg.rlanything_cfg
     base = (Path(resolve_model_path(str(base))) if base is not None

@@ -200,7 +200,7 @@ def save_result(out: Path, base: Path, model: Any,
 def run_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True) -> SFTResult:
     """Warm-start the configured model on expert demonstrations (cached; see module doc)."""
     from clawray.models.loader import load_tokenizer
-    from clawray.serve.policy_server import policy_model_info
+    from clawray.models.loader import policy_model_info
 
     s = cfg.sft_cfg
     base = Path(policy_model_info(cfg).path)

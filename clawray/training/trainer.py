@@ -85,7 +85,7 @@ class Trainer(tune.Trainable):
     def setup(self, config: dict[str, Any]) -> None:
         from clawray.learner.group import LearnerGroup
         from clawray.weights.control import start_app_control
-        from clawray.serve.policy_server import policy_model_info
+        from clawray.models.loader import policy_model_info
         from clawray.sessions.pipeline import start_live_pipeline
         from clawray.weights.sync import make_weight_sync
 

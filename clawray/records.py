@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -160,3 +160,21 @@ def make_sink(kind: str, records_path: str) -> RecordSink:
     raise ValueError(
         f"unknown record sink {kind!r}: use 'jsonl', 'memory', 'none' or 'module:factory'"
     )
+
+
+class GatedSink:
+    """Hands records to ``sink`` only while ``is_open()``; the operator's collecting switch."""
+
+    def __init__(self, sink: RecordSink, is_open: Callable[[], bool]) -> None:
+        self.sink = sink
+        self.is_open = is_open
+        self.dropped = 0
+
+    def put(self, record: TurnRecord) -> None:
+        if self.is_open():
+            self.sink.put(record)
+        else:
+            self.dropped += 1
+
+    def close(self) -> None:
+        self.sink.close()

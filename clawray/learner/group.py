@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from clawray.buffer.core import Slice, fetch
 from clawray.config import TrainingConfig
 from clawray.learner.learner import LearnerCore, combine_rank_metrics, init_distributed
+from clawray.weights.sync import make_weight_sync
 
 logger = logging.getLogger(__name__)
 
@@ -68,19 +70,20 @@ class LearnerWorker:
     def sync_payload(self) -> tuple[str, dict[str, Any]]:
         return self._core().sync_payload()
 
-    def send_weights(self, app_name: str, version: int) -> dict[str, Any]:
-        """Publish this rank's weights to the app's serving replicas (rank 0's result counts;
-        other ranks only take part in a ZeRO-3 gather)."""
-        from clawray.weights.sync import make_weight_sync
-
-        kind, payload = self._core().sync_payload()
+    def put_weights(self, version: int) -> dict[str, Any]:
+        """Encode this rank's weights as ``version``'s payload and put it in the object store
+        (rank 0's result counts; other ranks only take part in a ZeRO-3 gather). The payload
+        ref comes back in a one-element list; a ``WeightPublisher`` publishes it."""
+        started = time.perf_counter()
+        kind, state = self._core().sync_payload()
         self._core().policy_version = version
         if self.rank != 0:
             return {}
-        sync = make_weight_sync("lora" if kind == "lora" else "object_store", app_name)
-        sync.prepare(version)
-        info = sync.send(payload, version) or {}
-        return {"kind": kind, **info}
+        kind = "lora" if kind == "lora" else "object_store"
+        payload, nbytes = make_weight_sync(kind).encode(state)
+        ref = ray.put(payload)
+        return {"kind": kind, "payload": [ref], "bytes": nbytes,
+                "seconds": time.perf_counter() - started}
 
     def set_version(self, version: int) -> None:
         self._core().policy_version = version
@@ -144,9 +147,10 @@ class LearnerGroup:
         """Rank 0's weights for serving (all ranks join the gather under ZeRO-3)."""
         return ray.get([w.sync_payload.remote() for w in self.workers])[0]
 
-    def send_weights(self, app_name: str, version: int) -> dict[str, Any]:
-        """Publish ``version`` to ``app_name``'s replicas (finalize with the WeightSync)."""
-        info = ray.get([w.send_weights.remote(app_name, version) for w in self.workers])[0]
+    def put_weights(self, version: int) -> dict[str, Any]:
+        """Rank 0's weights as ``version``'s payload in the object store: ``{"kind",
+        "payload": [ref], "bytes", "seconds"}`` (``WeightPublisher.publish`` publishes it)."""
+        info = ray.get([w.put_weights.remote(version) for w in self.workers])[0]
         self.policy_version = version
         return info
 

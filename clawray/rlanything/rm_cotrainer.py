@@ -28,7 +28,11 @@ import pyarrow as pa
 import ray
 
 from clawray.config import ClawRayConfig, TrainingConfig
+from clawray.learner.group import LearnerGroup
+from clawray.models.loader import judge_model_info
 from clawray.samples import concat, make_row, rows_to_batch
+from clawray.weights.control import judge_channel, start_app_control
+from clawray.weights.publisher import WeightPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -83,39 +87,26 @@ class RMCoTrainer:
 
     def __init__(self, config: dict[str, Any], app: str,
                  training: dict[str, Any] | None = None) -> None:
-        from clawray.models.loader import judge_model_info
-        from clawray.learner.group import LearnerGroup
-        from clawray.weights.control import judge_channel, start_app_control
-        from clawray.weights.sync import make_weight_sync
-
         cfg = ClawRayConfig.from_dict(config)
         self.cfg = rm_training_config(cfg, **(training or {}))
         self.batch_size = cfg.rlanything_cfg.rm_batch_size
         self.app, self.channel = app, judge_channel(app)
-        self.control = start_app_control(self.channel)
+        control = start_app_control(self.channel)
         try:  # the replicas' reports tell which RM version the app already serves
-            ray.get(self.control.wait_replicas.remote(0, self.cfg.sync_timeout_s, 1))
+            ray.get(control.wait_replicas.remote(0, self.cfg.sync_timeout_s, 1))
         except TimeoutError as e:
             raise RuntimeError(
                 f"no JudgeServer replica listens on {self.channel!r} after "
                 f"{self.cfg.sync_timeout_s:g}s: is app {app!r} deployed with training.mode "
                 "'rlanything' and rlanything.rm_backend 'server'?") from e
-        status = ray.get(self.control.status.remote())
-        published = int(status["version"])
-        if self.cfg.lora_rank and published and status.get("kind") != "lora":
-            raise RuntimeError(  # replicas would merge adapters into already-trained weights
-                f"{self.channel!r} serves full RM weights of version {published}: LoRA "
-                "co-training needs the JudgeServer to run the RM's base model (redeploy)")
+        self.publisher = WeightPublisher(self.channel, lora=bool(self.cfg.lora_rank),
+                                         timeout_s=self.cfg.sync_timeout_s)
         self.learner = LearnerGroup(judge_model_info(cfg).path, self.cfg)
-        self.sync = make_weight_sync("lora" if self.cfg.lora_rank else "object_store",
-                                     self.channel)
-        self._version = published
-        if published:  # continue the JudgeServer's version sequence
-            self.learner.set_version(published)
+        self.publisher.attach(self.learner)
         self._dirty = False  # trained since the last publish
         self._rng = np.random.default_rng(self.cfg.seed)
         logger.info("RM co-trainer for app %s on channel %s, starting at version %d", app,
-                    self.channel, published)
+                    self.channel, self.publisher.version)
 
     def update(self, batch: Sequence[Mapping[str, Any]] | pa.Table | pa.RecordBatch
                ) -> dict[str, float]:
@@ -143,18 +134,14 @@ class RMCoTrainer:
         JudgeServer replica serves them. Nothing trained since the last publish: a no-op
         (``published`` False)."""
         if not self._dirty:
-            return {"version": self._version, "published": False}
-        version = self._version + 1
-        sent = self.learner.send_weights(self.channel, version)  # rank 0 puts and publishes
-        info = self.sync.finalize(version, self.cfg.sync_timeout_s)
-        self._version, self._dirty = version, False
-        return {"version": version, "published": True, "replicas": info["replicas"],
-                "bytes": sent.get("bytes", 0), "send_s": sent.get("seconds", 0.0),
-                "apply_s": info["apply_s"], "seconds": sent.get("seconds", 0.0) + info["apply_s"]}
+            return {"version": self.publisher.version, "published": False}
+        info = self.publisher.publish()
+        self._dirty = False
+        return {"published": True, **info}
 
     def version(self) -> int:
         """The RM version last published (or found serving at start)."""
-        return self._version
+        return self.publisher.version
 
     def logprobs(self, batch: Sequence[Mapping[str, Any]] | pa.Table) -> list[list[float]]:
         """Per row, the RM learner's current log-prob of each response token (evaluation)."""
@@ -164,7 +151,7 @@ class RMCoTrainer:
 
     def save(self, path: str) -> dict[str, Any]:
         """DeepSpeed checkpoint of the RM (model, optimizer, step) with its version."""
-        state = {"rm_version": self._version, "channel": self.channel}
+        state = {"rm_version": self.publisher.version, "channel": self.channel}
         self.learner.save(path, state)
         return state
 
@@ -172,12 +159,9 @@ class RMCoTrainer:
         """Restore a ``save``; when the JudgeServer serves another version than the saved one,
         the restored weights are republished as the next version (versions never go back)."""
         state = self.learner.load(path)
-        saved = int(state["policy_version"])
-        published = int(ray.get(self.control.status.remote())["version"])
-        self._version, self._dirty = max(saved, published), published != saved
-        if self._dirty:
-            self.publish()
-        return {**state, "version": self._version}
+        self._dirty = False
+        self.publisher.resume(int(state["policy_version"]))
+        return {**state, "version": self.publisher.version}
 
     def shutdown(self) -> None:
         """Free the learner ranks (idempotent)."""

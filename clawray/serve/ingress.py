@@ -26,7 +26,9 @@ from clawray.models.loader import load_tokenizer, policy_model_info
 from clawray.records import RecordSink, TeeSink, make_sink
 from clawray.serve.auth import KeyChecker
 from clawray.serve.chat import ChatService
-from clawray.weights.control import GatedSink, WeightReceiver, start_app_control, start_receiver
+from clawray.records import GatedSink
+from clawray.weights.control import start_app_control
+from clawray.weights.receiver import WeightReceiver, start_receiver
 from clawray.serve.policy_server import HandlePolicy, LocalPolicy, PolicyCore
 from clawray.serve.protocol import APIError, parse_feedback, parse_request
 

@@ -6,7 +6,7 @@ calls ``PolicyServer`` replicas through a Serve deployment handle. Admin operati
 pause/resume, weight loading) are deployment methods reachable only through Ray handles, never
 through an HTTP route.
 
-Inside a Serve replica, ``PolicyCore`` also runs a ``WeightReceiver`` (``serve/control.py``):
+Inside a Serve replica, ``PolicyCore`` also runs a ``WeightReceiver`` (``weights/receiver.py``):
 published weights are swapped in between generation steps, without refusing any request.
 """
 
@@ -21,7 +21,7 @@ from clawray.config import ClawRayConfig
 from clawray.inference.engine import Engine, EngineStatus, SamplingParams, TokenDelta, TokenOutput
 from clawray.inference.factory import make_engine
 from clawray.models.loader import ModelInfo, policy_model_info
-from clawray.weights.control import WeightReceiver, start_receiver
+from clawray.weights.receiver import WeightReceiver, start_receiver
 
 logger = logging.getLogger(__name__)
 

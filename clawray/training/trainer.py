@@ -39,6 +39,12 @@ from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
 from clawray.buffer.core import fetch
 from clawray.config import ClawRayConfig
+from clawray.learner.group import LearnerGroup
+from clawray.models.loader import policy_model_info
+from clawray.rlanything.loop import RLAnythingLoop
+from clawray.rollout.runner import EnvRunnerGroup
+from clawray.sessions.pipeline import start_live_pipeline
+from clawray.weights.publisher import WeightPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -83,36 +89,21 @@ class Trainer(tune.Trainable):
     # ---------------------------------------------------------------- Trainable contract
 
     def setup(self, config: dict[str, Any]) -> None:
-        from clawray.learner.group import LearnerGroup
-        from clawray.weights.control import start_app_control
-        from clawray.models.loader import policy_model_info
-        from clawray.sessions.pipeline import start_live_pipeline
-        from clawray.weights.sync import make_weight_sync
-
         self.cfg = ClawRayConfig.from_dict(config).validate()
         t = self.cfg.training_cfg
         self.app = t.app
         self._ensure_app()
         self.pipeline = start_live_pipeline(self.cfg, self.app)
-        self.control = start_app_control(self.app)
-        control = ray.get(self.control.status.remote())
-        published = int(control["version"])
-        if t.lora_rank and published and control.get("kind") != "lora":
-            # Replicas merge adapters into the weights they served before the first LoRA
-            # payload; those must be the learner's base model, not a fine-tuned version.
-            raise RuntimeError(
-                f"app '{self.app}' serves full weights of version {published}: LoRA training "
-                "needs serving to run the learner's base model (redeploy the app, or train "
-                "without lora_rank)")
-        model_path = policy_model_info(self.cfg).path
-        self.learner = LearnerGroup(model_path, t)
-        self.sync_kind = "lora" if t.lora_rank else "object_store"
-        self.sync = make_weight_sync(self.sync_kind, self.app)
-        self.version = published
-        if published:
-            # Serving already runs newer weights than a fresh learner: take its place in the
-            # version sequence (restore() loads matching weights when there is a checkpoint).
-            self.learner.set_version(published)
+        self.publisher = WeightPublisher(self.app, lora=bool(t.lora_rank),
+                                         timeout_s=t.sync_timeout_s,
+                                         followers=[self.pipeline.buffer])
+        self.learner = LearnerGroup(policy_model_info(self.cfg).path, t)
+        self.publisher.attach(self.learner)
+        self.envs = None
+        self.rla = None
+        if t.mode != "live":
+            self.envs = EnvRunnerGroup(self.cfg, self.app)
+            self.publisher.followers.append(self.envs.buffer)
         self.updates = 0
         self.metrics = MetricsLogger()
         self.gauges = _Gauges(self.app)
@@ -120,15 +111,8 @@ class Trainer(tune.Trainable):
         self.metrics_path = Path(t.metrics_path).expanduser() if t.metrics_path else \
             self.checkpoint_dir / "metrics.jsonl"
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        self.envs = None
-        self.rla = None
-        if t.mode != "live":
-            from clawray.rollout.runner import EnvRunnerGroup
-
-            self.envs = EnvRunnerGroup(self.cfg, self.app)
+        if self.envs is not None:
             if t.mode == "rlanything":
-                from clawray.rlanything.loop import RLAnythingLoop
-
                 self.rla = RLAnythingLoop(self.cfg, self.app, self.envs)
             else:
                 self.envs.start()
@@ -245,18 +229,14 @@ class Trainer(tune.Trainable):
         self._env_prev, self._env_t = stats, now
         return out
 
+    @property
+    def version(self) -> int:
+        """The policy version serving runs (the publisher's; one place, not copies)."""
+        return self.publisher.version
+
     def _publish(self) -> dict[str, Any]:
         """Send version + 1 to serving and wait until every replica runs it."""
-        version = self.version + 1
-        sent = self.learner.send_weights(self.app, version)  # rank 0 puts and publishes
-        info = self.sync.finalize(version, self.cfg.training_cfg.sync_timeout_s)
-        info.update(bytes=sent.get("bytes", 0), send_s=sent.get("seconds", 0.0),
-                    seconds=sent.get("seconds", 0.0) + info["apply_s"])
-        self.version = version
-        ray.get(self.pipeline.buffer.set_policy_version.remote(version))
-        if self.envs is not None:
-            ray.get(self.envs.buffer.set_policy_version.remote(version))
-        return info
+        return self.publisher.publish()
 
     def save_checkpoint(self, checkpoint_dir: str) -> dict[str, Any]:
         """Learner (model, optimizer, step) via DeepSpeed, plus the trainer's own state.
@@ -283,13 +263,9 @@ class Trainer(tune.Trainable):
         state = json.loads((path / "trainer.json").read_text())
         self.learner.load(path / "learner")
         self.updates = int(state["updates"])
-        saved = int(state["policy_version"])
         # Serving may hold weights newer than the checkpoint (trained after it was taken):
-        # republish the checkpoint's weights as the next version, so versions never go back.
-        published = int(ray.get(self.control.status.remote())["version"])
-        self.version = max(saved, published)
-        if published != saved:
-            self._publish()
+        # the publisher republishes the checkpoint's weights then, so versions never go back.
+        self.publisher.resume(int(state["policy_version"]))
         self.restored_state = state
 
     def cleanup(self) -> None:

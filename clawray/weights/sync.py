@@ -29,6 +29,8 @@ from typing import Any, ClassVar, Mapping
 import ray
 import torch
 
+from clawray.weights.control import get_app_control
+
 LORA_FORMAT = "clawray.lora/1"
 
 
@@ -77,8 +79,6 @@ class WeightSync(abc.ABC):
     @property
     def control(self) -> Any:
         if self._control is None:
-            from clawray.weights.control import get_app_control
-
             try:
                 self._control = get_app_control(self.app_name)
             except ValueError as e:
@@ -122,11 +122,28 @@ class WeightSync(abc.ABC):
         self.send(state, version)
         return self.finalize(version, timeout_s, min_replicas)
 
-    def _publish(self, version: int, payload: Any, nbytes: int, started: float) -> dict[str, float]:
-        ray.get(self.control.publish.remote(version, self.kind, [ray.put(payload)]))
-        timing = {"bytes": nbytes, "seconds": time.perf_counter() - started}
+    def encode(self, state: Mapping[str, Any]) -> tuple[Any, int]:
+        """The payload a replica's ``receive`` takes for ``state``, and its size in bytes.
+
+        Runs where the weights are (a learner rank), so only the payload is ever copied;
+        transports that do not travel through the object store do not implement it."""
+        raise NotImplementedError(f"the {self.kind!r} sync does not publish through the "
+                                  "object store")
+
+    def publish_ref(self, version: int, payload_ref: list[Any], nbytes: int,
+                    seconds: float = 0.0) -> dict[str, float]:
+        """Publish an already ``ray.put`` payload (``[ref]``: a one-element list, so Ray hands
+        the reference on untouched) as ``version``; ``finalize`` reports ``nbytes`` and
+        ``seconds`` (the sender's encode + put time) with the wait."""
+        started = time.perf_counter()
+        ray.get(self.control.publish.remote(version, self.kind, list(payload_ref)))
+        timing = {"bytes": nbytes, "seconds": seconds + time.perf_counter() - started}
         self._sent[version] = timing
         return timing
+
+    def _publish(self, version: int, payload: Any, nbytes: int, started: float) -> dict[str, float]:
+        ref = [ray.put(payload)]
+        return self.publish_ref(version, ref, nbytes, time.perf_counter() - started)
 
 
 class ObjectStoreSync(WeightSync):
@@ -134,10 +151,14 @@ class ObjectStoreSync(WeightSync):
 
     kind = "object_store"
 
+    def encode(self, state: Mapping[str, Any]) -> tuple[Any, int]:
+        state = {k: v.detach().cpu() for k, v in check_state(state).items()}
+        return state, state_nbytes(state)
+
     def send(self, state: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         started = time.perf_counter()
-        state = {k: v.detach().cpu() for k, v in check_state(state).items()}
-        return self._publish(version, state, state_nbytes(state), started)
+        payload, nbytes = self.encode(state)
+        return self._publish(version, payload, nbytes, started)
 
     async def receive(self, engine: Any, payload: Any, version: int) -> None:
         await engine.load_weights(check_state(payload), version)
@@ -273,10 +294,14 @@ class LoraSync(WeightSync):
                                   "LoraSync(app, lora_alpha=..., use_rslora=...)")
         return lora_payload_from_state_dict(state, **self.lora_config)
 
-    def send(self, state: Mapping[str, Any], version: int) -> dict[str, float]:
-        started = time.perf_counter()
+    def encode(self, state: Mapping[str, Any]) -> tuple[Any, int]:
         payload = self.payload(state)
         nbytes = sum(state_nbytes({"A": m["A"], "B": m["B"]}) for m in payload["modules"].values())
+        return payload, nbytes
+
+    def send(self, state: Mapping[str, Any], version: int) -> dict[str, float]:
+        started = time.perf_counter()
+        payload, nbytes = self.encode(state)
         return self._publish(version, payload, nbytes, started)
 
     async def receive(self, engine: Any, payload: Any, version: int) -> None:
@@ -300,7 +325,7 @@ class LoraSync(WeightSync):
 _REGISTRY: dict[str, type[WeightSync] | str] = {
     ObjectStoreSync.kind: ObjectStoreSync,
     LoraSync.kind: LoraSync,
-    "nccl": "clawray.weights.nccl:VLLMNcclSync",  # imported on use: needs vLLM only then
+    "nccl": "clawray.weights.nccl:VLLMNcclSync",  # imported on use (its module pulls vLLM lazily)
 }
 
 

@@ -1,0 +1,91 @@
+"""The publishing side of one weight channel: ``WeightPublisher`` owns the channel's version
+sequence and runs each sync round in one process.
+
+A round (``publish``): ``prepare(version + 1)`` on the channel's ``AppControl``, the learner's
+rank 0 encodes its weights and puts the payload in the object store (``put_weights``: only the
+payload is copied, where the weights are), the publisher publishes that reference and waits in
+``finalize`` until every live replica serves the new version. Then everything that stamps rows
+with the policy version (sample buffers) is told the new version. ``Trainer`` (the policy's
+channel, the app's name) and ``RMCoTrainer`` (the JudgeServer's channel, ``{app}/judge``) use
+the same class.
+
+At start the publisher takes its place in the sequence the replicas already serve (versions
+never go back), and refuses LoRA publishing onto replicas that serve fully trained weights:
+they would merge adapters into weights that are not the learner's base model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from clawray.weights.control import start_app_control
+from clawray.weights.sync import WeightSync, make_weight_sync
+
+
+class WeightPublisher:
+    """Version sequence and sync rounds of one channel (``channel``: an app or ``{app}/judge``).
+
+    Create it before the learner (the LoRA check is cheap, learner ranks are not), then
+    ``attach`` the learner: anything with ``put_weights(version)`` and ``set_version(version)``
+    (a ``LearnerGroup``). ``followers`` are actor handles with ``set_policy_version`` (sample
+    buffers), told each version once every replica serves it.
+    """
+
+    def __init__(self, channel: str, *, lora: bool, timeout_s: float = 120.0,
+                 followers: Sequence[Any] = ()) -> None:
+        self.channel = channel
+        self.learner: Any = None
+        self.timeout_s = timeout_s
+        self.followers = list(followers)
+        self.control = start_app_control(channel)
+        self.sync: WeightSync = make_weight_sync("lora" if lora else "object_store", channel)
+        status = self.status()
+        published = int(status["version"])
+        if lora and published and status.get("kind") != "lora":
+            raise RuntimeError(
+                f"{channel!r} serves full weights of version {published}: LoRA training needs "
+                "its replicas to run the learner's base model (redeploy the app, or train "
+                "without lora_rank)")
+        self.version = published
+
+    def attach(self, learner: Any) -> WeightPublisher:
+        """Publish ``learner``'s weights from now on; a fresh learner takes the serving
+        version's place in the sequence."""
+        self.learner = learner
+        if self.version:
+            learner.set_version(self.version)
+        return self
+
+    def status(self) -> dict[str, Any]:
+        """The channel's ``AppControl`` status (published version, kind, replicas)."""
+        return ray.get(self.control.status.remote())
+
+    def publish(self) -> dict[str, Any]:
+        """Send the learner's weights as version + 1 and wait until every live replica serves
+        them; returns the round's replicas, bytes and timings."""
+        version = self.version + 1
+        self.sync.prepare(version)
+        sent = self.learner.put_weights(version)
+        if sent.get("kind") != self.sync.kind:
+            raise RuntimeError(f"the learner sent {sent.get('kind')!r} weights to a "
+                               f"{self.sync.kind!r} channel")
+        self.sync.publish_ref(version, sent["payload"], int(sent["bytes"]),
+                              float(sent["seconds"]))
+        info = self.sync.finalize(version, self.timeout_s)
+        self.version = version
+        if self.followers:
+            ray.get([f.set_policy_version.remote(version) for f in self.followers])
+        return info
+
+    def resume(self, saved: int) -> dict[str, Any] | None:
+        """After the learner loaded a checkpoint of version ``saved``: when the replicas serve
+        another version, republish the checkpoint's weights as the next one (never go back)."""
+        published = int(self.status()["version"])
+        self.version = max(saved, published)
+        if published != saved:
+            return self.publish()
+        self.learner.set_version(saved)
+        return None

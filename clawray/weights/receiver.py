@@ -1,0 +1,151 @@
+"""A replica's side of a weight channel: ``WeightReceiver`` long-polls the channel's
+``AppControl`` actor (``clawray/weights/control.py``), applies newer published weights between
+two generation steps through the matching ``WeightSync.receive`` and reports the version it
+serves. ``start_receiver`` starts one inside a Serve replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+import ray
+
+from clawray.weights.control import POLL_S, start_app_control
+from clawray.weights.sync import make_weight_sync
+
+logger = logging.getLogger(__name__)
+
+
+def serve_replica_id() -> tuple[str, str] | None:
+    """``(app_name, replica_id)`` inside a Serve replica, else None (tests, scripts)."""
+    try:
+        from ray import serve
+
+        ctx = serve.get_replica_context()
+    except Exception:  # noqa: BLE001 - RayServeException outside a replica
+        return None
+    return ctx.app_name, f"{ctx.deployment}#{ctx.replica_tag}"
+
+
+class WeightReceiver:
+    """A replica's side of the control plane, run as a background task on its event loop.
+
+    With an ``engine`` it applies newer published weights between generation steps and reports
+    the version it serves; without one (an ingress in the ``split`` layout) it only mirrors the
+    ``collecting`` switch. Errors are logged with context and retried at the next change or
+    after ``retry_s``; the loop never ends the replica and survives the control actor
+    restarting or being recreated.
+    """
+
+    def __init__(self, app_name: str, replica_id: str, engine: Any = None, *,
+                 poll_s: float = POLL_S, retry_s: float = 1.0) -> None:
+        self.app_name = app_name
+        self.replica_id = replica_id
+        self.engine = engine
+        self.poll_s = poll_s
+        self.retry_s = retry_s
+        self.collecting = True
+        self.version = int(getattr(engine, "policy_version", 0) or 0)
+        self.error: str | None = None
+        # The newest version handled (applied, failed, or published without a payload): the
+        # long poll waits for a newer one, so a failing payload is retried at the next change.
+        self._known_version = self.version
+        self._syncs: dict[str, Any] = {}  # per-kind receive state (LoRA base weights, NCCL group)
+        self._control: Any = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> WeightReceiver:
+        """Start the loop on the running event loop (Serve runs replica constructors on it)."""
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"clawray-weights-{self.replica_id}")
+        return self
+
+    def close(self) -> None:
+        """Stop the loop and deregister (fire-and-forget, safe from a destructor)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self._control is not None:
+            try:
+                self._control.deregister.remote(self.replica_id)
+            except Exception:  # noqa: BLE001 - Ray may already be shut down
+                pass
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if self._control is None:
+                    self._control = await asyncio.to_thread(start_app_control, self.app_name)
+                    if self.engine is not None:  # register right away, before the first poll
+                        await self._control.report.remote(self.replica_id, self.version)
+                state = await self._control.wait_change.remote(
+                    self._known_version, self.collecting, self.poll_s, self.replica_id,
+                    self.version if self.engine is not None else None)
+                if state["collecting"] != self.collecting:
+                    logger.info("app %s replica %s: collecting %s", self.app_name,
+                                self.replica_id, "on" if state["collecting"] else "off")
+                    self.collecting = state["collecting"]
+                if state["version"] > self._known_version:
+                    if self.engine is not None and state["payload"]:
+                        await self._apply(state)
+                    self._known_version = state["version"]
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the replica must keep serving
+                logger.exception("app %s replica %s: weight control loop failed; retrying in "
+                                 "%.1fs", self.app_name, self.replica_id, self.retry_s)
+                if not await _actor_alive(self._control):
+                    self._control = None  # recreated (get_if_exists) on the next round
+                await asyncio.sleep(self.retry_s)
+
+    async def _apply(self, state: dict[str, Any]) -> None:
+        version, kind = state["version"], state["kind"]
+        started = time.monotonic()
+        try:
+            payload = await asyncio.to_thread(ray.get, state["payload"][0])
+            sync = self._syncs.get(kind)
+            if sync is None:  # a full swap of another kind invalidates per-kind caches
+                sync = make_weight_sync(kind, self.app_name, replica_id=self.replica_id)
+                self._syncs = {kind: sync}
+            await sync.receive(self.engine, payload, version)
+        except Exception as e:  # noqa: BLE001 - logged, reported, retried at the next version
+            self.error = f"version {version} ({kind}): {type(e).__name__}: {e}"
+            logger.exception("app %s replica %s: could not apply %s weights of version %d; "
+                             "still serving version %d", self.app_name, self.replica_id, kind,
+                             version, self.version)
+        else:
+            self.version, self.error = version, None
+            logger.info("app %s replica %s: now serving version %d (%s) after %.3fs",
+                        self.app_name, self.replica_id, version, kind,
+                        time.monotonic() - started)
+        await self._control.report.remote(self.replica_id, self.version, self.error)
+
+
+async def _actor_alive(handle: Any) -> bool:
+    if handle is None:
+        return False
+    try:
+        await asyncio.wait_for(handle.status.remote(), 5)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def start_receiver(engine: Any = None, *,
+                   channel: Callable[[str], str] | None = None) -> WeightReceiver | None:
+    """A started receiver when running in a Serve replica with an event loop, else None.
+
+    It listens on the replica's app's own channel, or on ``channel(app_name)`` when given
+    (``judge_channel`` for JudgeServer replicas).
+    """
+    where = serve_replica_id()
+    if where is None:
+        return None
+    app_name = where[0] if channel is None else channel(where[0])
+    try:
+        return WeightReceiver(app_name, where[1], engine).start()
+    except RuntimeError:  # no running event loop: cannot happen in a Serve 2.60 constructor
+        logger.warning("replica %s has no running event loop: weight sync is off", where[1])
+        return None

@@ -5,7 +5,7 @@ Scenarios:
 - ``stream``: a short agent turn (system prompt of ~1.5 KB, two tool schemas, one user
   message) with ``stream: true`` and ``stream_options.include_usage``, as OpenClaw sends it;
 - ``json``: the same body without streaming;
-- ``openclaw-stream``: a real captured OpenClaw request (``shared/fixtures/openclaw``: a ~48 KB
+- ``openclaw-stream``: a real captured OpenClaw request (``tests/fixtures/openclaw``: a ~48 KB
   system prompt, 12 tools, ~60 KB in all), streaming. Here chat templating and tokenization
   cost real CPU in every setup, as they do in production.
 """
@@ -53,8 +53,8 @@ TOOLS = [
 
 
 def fixtures_dir() -> Path:
-    """``shared/fixtures/openclaw`` beside the checkout, or ``$CLAWRAY_FIXTURES``."""
-    default = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "openclaw"
+    """The repository's ``tests/fixtures/openclaw``, or ``$CLAWRAY_FIXTURES``."""
+    default = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "openclaw"
     return Path(os.environ.get("CLAWRAY_FIXTURES", default))
 
 

@@ -2,30 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
-import socket
-import time
 from pathlib import Path
 
 import pytest
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "openclaw"
-if not FIXTURES.is_dir():  # CI clones main into another folder with shared/ beside it
-    FIXTURES = Path(os.environ.get("CLAWRAY_FIXTURES", FIXTURES))
-API_KEY = "sk-clawray-test"
-
-
-def load_fixture(name: str) -> dict:
-    return json.loads((FIXTURES / name).read_text())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from tests.support.common import API_KEY, Served, free_port
 
 RLA_NOTEBOOK_TEST = "test_rlanything_notebook"
 RLA_WARM_STARTS = pytest.StashKey[tuple]()  # (the background build, its log file)
@@ -103,54 +85,6 @@ def ray_cluster():
     # ray.shutdown() ends Serve's actors with the cluster; serve.shutdown() first would wait
     # ~30 s for the controller's graceful drain.
     ray.shutdown()
-
-
-@dataclasses.dataclass
-class Served:
-    base_url: str
-    api_key: str
-    model: str
-    records_path: Path
-    app_name: str
-    samples_path: Path | None = None
-    config: object = None
-
-    def pipeline(self):
-        from clawray.sessions.pipeline import attach_live_pipeline
-
-        return attach_live_pipeline(self.config, self.app_name)
-
-    def samples(self, expected: int = 1, timeout_s: float = 30.0, **match):
-        """Sample rows in the WAL matching ``match`` (column=value), flushing the hubs until
-        ``expected`` rows are there or ``timeout_s`` passed."""
-        import pyarrow.dataset as ds
-
-        pipe = self.pipeline()
-        deadline = time.time() + timeout_s
-        while True:
-            pipe.flush(timeout_s)
-            table = ds.dataset(str(self.samples_path), format="parquet").to_table()
-            rows = [r for r in table.to_pylist() if all(r[k] == v for k, v in match.items())]
-            if len(rows) >= expected or time.time() > deadline:
-                return sorted(rows, key=lambda r: (r["turn"] or 0, r["kind"]))
-            time.sleep(0.3)
-
-    def handle(self):
-        from ray import serve
-
-        return serve.get_app_handle(self.app_name)
-
-    def records(self, expected: int = 1, timeout_s: float = 20.0, **match):
-        """Records matching ``match`` (field=value), waiting until ``expected`` arrived."""
-        from clawray.records import read_jsonl_records
-
-        deadline = time.time() + timeout_s
-        while True:
-            found = [r for r in read_jsonl_records(self.records_path)
-                     if all(getattr(r, k) == v for k, v in match.items())]
-            if len(found) >= expected or time.time() > deadline:
-                return found
-            time.sleep(0.1)
 
 
 @pytest.fixture(scope="session")

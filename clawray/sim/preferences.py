@@ -4,7 +4,7 @@ A preference decides from the reply text alone whether a simulated user is satis
 words the user's reaction, which the user sends as the start of their next message. The
 reaction is plain English that ``clawray.judging.rules.classify_next_state`` reads correctly: a
 plain approval ("thanks", "perfect", ...) when satisfied; a correction ("that's not what I
-asked for", "try again", ...) that says what was wanted when not (tests/test_sim.py checks
+asked for", "try again", ...) that says what was wanted when not (tests/unit/sim/test_sim.py checks
 both over many draws).
 
 Why "brief replies" (measured base rates in ``clawray/sim/users.py``): the embedded tiny model

@@ -54,7 +54,7 @@ SYSTEM_PROMPT = "You are a helpful assistant."
 
 # Fill-ins and templates. None may contain a phrase the heuristic judge reads as feedback
 # ("great", "fix", "correct", ...): the request part of a message must be neutral
-# (tests/test_sim.py checks every template).
+# (tests/unit/sim/test_sim.py checks every template).
 _PLACES = ("Peru", "Norway", "Kenya", "Japan", "Chile", "Canada", "Egypt", "Poland", "Vietnam",
            "the moon", "Mars", "Iceland")
 _TOPICS = ("cats", "the sea", "autumn", "coffee", "trains", "the city at night", "old friends",

@@ -1,0 +1,59 @@
+"""A simulated 2-node cluster (``ray.cluster_utils.Cluster``, in its own process:
+``tests/support/multinode.py``), started once for both checks: learner ranks on two nodes update like
+one rank, and EnvRunners spread over both nodes play their groups and write every step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def multinode(tiny_model_path) -> dict[str, dict]:
+    """The JSON line of each check, by name; the subprocess's stderr under ``"stderr"``."""
+    # tiny_model_path builds the embedded model before the subprocess needs it.
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    # runner_num_cpus 0.25: SPREAD round-robins actors that request resources; zero-resource
+    # actors go to a random node instead (see multinode.py).
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "multinode.py"), str(tiny_model_path),
+                           "180", "0.25"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    checks = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            out = json.loads(line)
+            checks[out["check"]] = out
+    checks["stderr"] = {"rc": proc.returncode, "tail": proc.stderr[-3000:]}
+    return checks
+
+
+def test_ranks_on_two_nodes_update_like_one(multinode):
+    out = multinode.get("learner")
+    assert out is not None, multinode["stderr"]
+    assert out["nodes"] == 2 and out["rank_nodes"] == 2
+    assert out["update_l2"] > 0.1
+    assert out["rel_l2"] < 1e-3 and out["off_frac"] < 1e-4, out
+
+
+def test_two_runners_spread_over_two_nodes_play_and_write_their_groups(multinode):
+    out = multinode.get("envs")
+    assert out is not None, multinode["stderr"]
+    assert out["nodes"] == 2 and out["runners"] == 2
+    assert out["runner_nodes"] == 2, out  # one runner per node
+    assert out["unfinished"] == 0 and out["runner_restarts"] == 0, out
+    assert out["groups"] == out["expected_groups"] == out["reported"], out
+    assert out["episodes"] == out["groups"] * out["group_size"], out
+    assert out["steps"] >= out["episodes"]
+    assert out["rows"] == out["steps"] == out["wal_rows"], out
+
+
+def test_the_cluster_process_exits_cleanly(multinode):
+    assert multinode["stderr"]["rc"] == 0, multinode["stderr"]["tail"]

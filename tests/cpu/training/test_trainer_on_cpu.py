@@ -1,0 +1,189 @@
+"""The training loop end to end on CPU: live turns → judged samples → DeepSpeed update →
+weights in every serving replica, with no request failing; checkpoint → kill → restore; Tune.
+
+Uses its own Serve app (``trainer-app``) so training never changes the model other tests see.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import openai
+import pyarrow as pa
+import pytest
+import ray
+
+from clawray.config import ClawRayConfig
+from tests.support.common import API_KEY
+
+pytestmark = pytest.mark.ray
+APP = "trainer-app"
+
+
+def _session(client: openai.OpenAI, good: bool, turns: int = 2) -> list:
+    """A session whose user answers each reply with praise or a correction (±1 by the
+    heuristic judge); returns the completions."""
+    sid = f"s-{uuid.uuid4().hex[:10]}"
+    msgs = [{"role": "user", "content": "hello there"}]
+    out = []
+    for t in range(turns):
+        last = t == turns - 1
+        r = client.chat.completions.create(
+            model="clawray-tiny", messages=msgs, max_tokens=10,
+            extra_headers={"X-Session-Id": sid, **({"X-Session-Done": "1"} if last else {})})
+        out.append(r)
+        msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+        msgs.append({"role": "user", "content": "Thanks, perfect." if good
+                     else "That's wrong, try again."})
+    return out
+
+
+@pytest.fixture(scope="module")
+def app(served, tmp_path_factory):
+    from ray import serve
+
+    from clawray.serve.app import build_app
+
+    cfg = (ClawRayConfig()
+           .serving(api_keys=[API_KEY], record_sink=["hub"], default_max_tokens=10,
+                    ingress_replicas=2, replica_num_cpus=0.5)
+           .sessions(idle_timeout_s=2, feedback_window_s=0, flush_interval_s=0.1)
+           .judge(num_voters=1, timeout_s=20)
+           .buffer(path=str(tmp_path_factory.mktemp("trainer-samples")), seal_age_s=0.1)
+           .training(app=APP, batch_size=8, min_batch=2, take_timeout_s=20, lr=2e-3,
+                     learner_num_cpus=0.5, checkpoint_dir=str(tmp_path_factory.mktemp("ckpt")),
+                     sync_timeout_s=60))
+    serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
+    port = served.base_url.split(":")[2].split("/")[0]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/{APP}/v1", api_key=API_KEY,
+                           max_retries=0, timeout=60)
+    yield cfg, client
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def trainer(app):
+    from clawray.training.trainer import Trainer
+
+    cfg, _ = app
+    t = Trainer(config=cfg.to_dict())
+    yield t
+    t.stop()
+
+
+def _fixed_pair(cfg: ClawRayConfig) -> tuple[list[int], list[int]]:
+    from clawray.models.loader import load_tokenizer
+    from clawray.models.loader import policy_model_info
+
+    tok = load_tokenizer(policy_model_info(cfg).path)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi there"}],
+                                     add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(prompt), tok.encode("OK, I understand.", add_special_tokens=False)
+
+
+def test_an_iteration_trains_and_every_replica_serves_the_learner_weights(app, trainer):
+    from ray import serve
+
+    from clawray.samples import make_row, rows_to_batch
+
+    cfg, client = app
+    for i in range(5):
+        _session(client, good=i % 2 == 0)
+    r = trainer.train()
+    assert r["samples"] >= 2 and r["optimizer_steps"] >= 1, r
+    assert r["policy_version"] == 1 and r["sync_bytes"] > 0
+    assert {"time_take_s", "time_update_s", "time_sync_s"} <= set(r["smoothed"])
+    handle = serve.get_app_handle(APP)
+    seen = {}
+    for _ in range(12):  # both replicas, through the handle's routing
+        v = handle.weights_version.remote().result()
+        seen[v["replica"]] = v
+    assert set(seen) == {1}, seen
+    assert len(next(iter(seen.values()))["replicas"]) == 2
+    # The served engine scores a fixed response exactly as the learner does.
+    prompt, response = _fixed_pair(cfg)
+    served_lp = handle.prompt_logprobs.remote(prompt, response).result()
+    row = make_row(sample_id="probe", kind="rl", source="live", prompt_ids=prompt,
+                   response_ids=response, rollout_logprobs=[0.0] * len(response),
+                   policy_version=1, loss_mask=[1] * len(response), reward=0.0)
+    learner_lp = trainer.learner.logprobs(pa.Table.from_batches([rows_to_batch([row])]))[0]
+    assert max(abs(a - b) for a, b in zip(served_lp, learner_lp)) < 1e-4
+    # New responses say they come from the new weights.
+    c = _session(client, good=True, turns=1)[0]
+    assert c.system_fingerprint == "clawray-policy-v1"
+
+
+def test_training_and_syncing_under_load_fail_no_request(app, trainer):
+    cfg, client = app
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    done = [0]
+    fingerprints: set[str] = set()
+
+    def load(good: bool) -> None:
+        while not stop.is_set():
+            try:
+                for c in _session(client, good):
+                    fingerprints.add(c.system_fingerprint)
+                done[0] += 1
+            except Exception as e:  # noqa: BLE001 - every failure is the finding
+                errors.append(e)
+
+    threads = [threading.Thread(target=load, args=(i % 2 == 0,)) for i in range(3)]
+    for th in threads:
+        th.start()
+    try:
+        start = trainer.version
+        results = [trainer.train() for _ in range(3)]
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(timeout=60)
+    assert not errors, errors[:3]
+    assert done[0] >= 3
+    synced = [r for r in results if "sync_seconds" in r]
+    assert synced and trainer.version == start + len(synced)
+    assert len(fingerprints) >= 2  # requests were answered by more than one policy version
+
+
+def test_checkpoint_kill_restore_resumes_version_and_buffer_offset(app, trainer, tmp_path):
+    from clawray.training.trainer import Trainer
+
+    cfg, client = app
+    saved = trainer.save_checkpoint(str(tmp_path))
+    consumed = ray.get(trainer.pipeline.buffer.stats.remote())["consumed"]
+    assert saved["policy_version"] == trainer.version and saved["buffer_consumed"] == consumed
+    trainer.learner.shutdown()  # the learner dies with its weights and optimizer
+    fresh = Trainer(config=cfg.to_dict())
+    try:
+        fresh.restore(str(tmp_path))
+        assert fresh.version == saved["policy_version"]
+        assert fresh.updates == saved["updates"]
+        assert ray.get(fresh.pipeline.buffer.stats.remote())["consumed"] == consumed
+        for i in range(3):
+            _session(client, good=i % 2 == 0)
+        r = fresh.train()
+        assert r["policy_version"] == saved["policy_version"] + 1
+    finally:
+        fresh.stop()
+        trainer.learner = fresh.learner  # the module fixture's stop() must not fail
+
+
+def test_tune_runs_and_checkpoints_the_trainer(app, tmp_path):
+    from ray import tune
+
+    from clawray.training.trainer import Trainer
+
+    cfg, client = app
+    for i in range(3):
+        _session(client, good=i % 2 == 0)
+    tuner = tune.Tuner(
+        Trainer, param_space=cfg.to_dict(),
+        run_config=tune.RunConfig(stop={"training_iteration": 1}, storage_path=str(tmp_path),
+                                  checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=True),
+                                  verbose=0))
+    result = tuner.fit().get_best_result(metric="samples", mode="max")
+    assert result.error is None
+    assert result.metrics["training_iteration"] == 1
+    assert result.checkpoint is not None

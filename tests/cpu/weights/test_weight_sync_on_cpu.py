@@ -1,0 +1,246 @@
+"""Weight sync into a running Serve app (two ingress replicas, embedded model) under load.
+
+Checks: the served engine computes exactly what the learner's model computes after a sync,
+every replica ends on the same version, no request fails while syncs run back to back, the
+control actor can restart mid-stream, and the collecting switch gates the session pipeline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import openai
+import pytest
+import ray
+import torch
+
+from clawray.weights.control import AppControl, get_app_control
+from clawray.weights.sync import ObjectStoreSync
+from tests.support.common import API_KEY
+
+pytestmark = pytest.mark.ray
+APP = "weights"
+PROMPT = [5, 17, 42, 99, 7, 250, 11, 64]
+RESPONSE = [23, 8, 301, 77, 12, 5]
+
+
+@pytest.fixture(scope="module")
+def weights_app(served, tmp_path_factory):
+    """A second app on the shared cluster: two colocated replicas, JSONL records only."""
+    from ray import serve
+
+    from clawray.config import ClawRayConfig
+    from clawray.serve.app import build_app
+
+    cfg = (ClawRayConfig()
+           .serving(api_keys=[API_KEY], record_sink=["jsonl"], ingress_replicas=2,
+                    replica_num_cpus=0.5, default_max_tokens=16,
+                    records_path=str(tmp_path_factory.mktemp("weights") / "turns.jsonl")))
+    serve.run(build_app(cfg), name=APP, route_prefix="/weights")
+    control = get_app_control(APP)
+    deadline = time.time() + 30
+    while len(_live(control)) < 2:
+        assert time.time() < deadline, ray.get(control.status.remote())
+        time.sleep(0.1)
+    yield served.base_url.replace("/v1", "/weights/v1")
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def learner_model(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+
+
+def _live(control) -> dict[str, int | None]:
+    st = ray.get(control.status.remote())
+    return {rid: r["version"] for rid, r in st["replicas"].items() if r["live"] and r["weights"]}
+
+
+def _perturb(model, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    return model.state_dict()
+
+
+def _reference_logprobs(model) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + RESPONSE])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return [lp[len(PROMPT) - 1 + i, t].item() for i, t in enumerate(RESPONSE)]
+
+
+_last_version = [0]  # the learner owns the version counter, as a real learner does
+
+
+def _sync(model, seed: int, timeout_s: float = 30) -> dict:
+    sync = ObjectStoreSync(APP)
+    version = max(ray.get(sync.control.status.remote())["version"], _last_version[0]) + 1
+    _last_version[0] = version
+    state = _perturb(model, seed)
+    sync.prepare(version)
+    sent = sync.send(state, version)
+    assert sent["bytes"] > 1_000_000 and sent["seconds"] > 0
+    return sync.finalize(version, timeout_s, min_replicas=2)
+
+
+def test_synced_replicas_compute_what_the_learner_computes(weights_app, learner_model):
+    from ray import serve
+
+    handle = serve.get_app_handle(APP)
+    client = openai.OpenAI(base_url=weights_app, api_key=API_KEY, max_retries=0)
+    before = handle.prompt_logprobs.remote(PROMPT, RESPONSE).result()
+
+    result = _sync(learner_model, seed=1)
+    version = result["version"]
+    assert len(result["replicas"]) == 2 and set(result["replicas"].values()) == {version}
+    want = _reference_logprobs(learner_model)
+    assert max(abs(a - b) for a, b in zip(before, want)) > 1e-3  # the sync changed something
+    for _ in range(4):  # requests land on either replica
+        got = handle.prompt_logprobs.remote(PROMPT, RESPONSE).result()
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, (got, want)
+    r = client.chat.completions.create(model="clawray-tiny", max_tokens=4,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert r.system_fingerprint == f"clawray-policy-v{version}"
+    info = handle.weights_version.remote().result()
+    assert info["published"] == version and info["replica"] == version
+    assert set(info["replicas"].values()) == {version}
+
+
+def test_no_request_fails_while_weights_sync_back_to_back(weights_app, learner_model):
+    client = openai.OpenAI(base_url=weights_app, api_key=API_KEY, max_retries=0, timeout=60)
+    stop, errors, versions, done = threading.Event(), [], [], [0]
+
+    def load(worker: int) -> None:
+        messages = [{"role": "user", "content": f"tell me something, worker {worker}"}]
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                if i % 2:
+                    r = client.chat.completions.create(model="clawray-tiny", messages=messages,
+                                                       max_tokens=16, temperature=1.0)
+                    versions.append(r.system_fingerprint)
+                else:
+                    chunks = list(client.chat.completions.create(
+                        model="clawray-tiny", messages=messages, max_tokens=16, stream=True))
+                    assert chunks and chunks[-1].choices[0].finish_reason is not None
+                    versions.append(chunks[-1].system_fingerprint)
+                done[0] += 1
+            except Exception as e:  # counted, asserted below
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=load, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.5)
+        control = get_app_control(APP)
+        results = []
+        for seed in range(10, 16):
+            results.append(_sync(learner_model, seed))
+            if seed == 12:  # the control actor crashes and restarts between two syncs
+                ray.kill(control, no_restart=False)
+    finally:
+        time.sleep(0.5)
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    final = results[-1]["version"]
+    assert errors == [], errors[:5]
+    assert done[0] >= 10
+    assert all(set(r["replicas"].values()) == {r["version"]} and len(r["replicas"]) == 2
+               for r in results)
+    assert set(_live(control).values()) == {final}
+    assert len(set(versions)) >= 2, versions  # responses really came from several versions
+    print(f"{done[0]} requests, {len(results)} syncs, apply "
+          f"{[round(r['apply_s'], 3) for r in results]} s")
+
+
+def test_bad_lora_payload_is_reported_and_the_next_one_applies(weights_app, learner_model):
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from ray import serve
+
+    from clawray.weights.sync import LoraSync, lora_payload
+
+    peft_model = get_peft_model(copy.deepcopy(learner_model), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    good = lora_payload(peft_model)
+    bad = {**good, "modules": {"model.no_such_layer": next(iter(good["modules"].values()))}}
+    sync = LoraSync(APP)
+    version = max(ray.get(sync.control.status.remote())["version"], _last_version[0]) + 1
+    sync.prepare(version)
+    sync.send(bad, version)
+    with pytest.raises(TimeoutError, match=r"Ingress#.*no weight 'model.no_such_layer.weight'"):
+        sync.finalize(version, timeout_s=3, min_replicas=2)
+    handle = serve.get_app_handle(APP)
+    assert handle.weights_version.remote().result()["replica"] < version  # still serving
+
+    _last_version[0] = version + 1
+    sync.prepare(version + 1)
+    sync.send(good, version + 1)
+    assert set(sync.finalize(version + 1, 30, min_replicas=2)["replicas"].values()) == {version + 1}
+    want = _reference_logprobs(peft_model.merge_and_unload())
+    got = handle.prompt_logprobs.remote(PROMPT, RESPONSE).result()
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+
+
+def test_wait_replicas_names_a_replica_that_does_not_catch_up(ray_cluster):
+    control = AppControl.options(num_cpus=0).remote("unit", live_s=1.0)
+    ray.get(control.report.remote("ok#1", 3))
+    ray.get(control.report.remote("slow#2", 2, "version 3 (lora): WeightSyncError: bad"))
+    with pytest.raises(TimeoutError, match=r"slow#2.*WeightSyncError"):
+        ray.get(control.wait_replicas.remote(3, 0.3))
+    ray.get(control.deregister.remote("slow#2"))
+    assert ray.get(control.wait_replicas.remote(3, 0.3)) == {"ok#1": 3}
+    time.sleep(1.2)  # no poll, no report: no longer live
+    with pytest.raises(TimeoutError, match="0 live"):
+        ray.get(control.wait_replicas.remote(3, 0.3))
+    with pytest.raises(ValueError, match="not newer"):
+        ray.get(control.publish.remote(3, "object_store", [ray.put({})]))
+    # the long poll returns at once on a change, and at its timeout otherwise
+    t0 = time.monotonic()
+    state = ray.get(control.wait_change.remote(3, True, 0.3))
+    assert time.monotonic() - t0 >= 0.25 and state["version"] == 3
+    poll = control.wait_change.remote(3, True, 10.0)
+    time.sleep(0.2)
+    ray.get(control.set_collecting.remote(False))
+    assert ray.get(poll, timeout=5)["collecting"] is False
+    ray.kill(control)
+
+
+def test_collecting_off_keeps_serving_but_sends_nothing_to_the_hub(served):
+    client = openai.OpenAI(base_url=served.base_url, api_key=served.api_key, max_retries=0)
+    handle = served.handle()
+    tag = uuid.uuid4().hex[:6]
+    off, on = f"collect-off-{tag}", f"collect-on-{tag}"
+
+    def turn(sid: str) -> None:
+        r = client.chat.completions.create(
+            model=served.model, messages=[{"role": "user", "content": "hello?"}], max_tokens=8,
+            extra_headers={"X-Session-Id": sid, "X-Session-Done": "1"})
+        assert r.choices[0].message is not None
+
+    try:
+        switched = handle.set_collecting.remote(False).result()
+        assert switched["collecting"] is False and switched["replicas"]
+        assert set(switched["replicas"].values()) == {False}
+        assert handle.collecting.remote().result() is False
+        turn(off)
+    finally:
+        assert handle.set_collecting.remote(True).result()["collecting"] is True
+    turn(on)
+    assert served.samples(expected=1, session_id=on)  # the hub got the second turn...
+    assert served.samples(expected=0, session_id=off) == []  # ...and never the first
+    assert served.records(session_id=off)  # which was still served and recorded locally

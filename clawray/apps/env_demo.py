@@ -34,12 +34,11 @@ from typing import Any
 import numpy as np
 
 from clawray.config import ClawRayConfig
+from clawray.training.evaluate import (EVAL_MAX_DIFFICULTY, EVAL_SAMPLES, held_out_success,
+                                       held_out_tasks)
 
 ITERATIONS = 20
 EVAL_N = 100
-EVAL_SAMPLES = 2
-EVAL_SEED = 1234
-EVAL_MAX_DIFFICULTY = 0.3
 SEED = 0
 APP = "env-demo"
 
@@ -74,23 +73,6 @@ def env_demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED,
     from clawray.config import apply_sets
 
     return apply_sets(demo, sets or [])
-
-
-def held_out_tasks(cfg: ClawRayConfig, n: int, seed: int) -> list[Any]:
-    from clawray.envs import make_family
-    from clawray.training.sft import demo_tasks
-
-    family = make_family(cfg.environments_cfg.family, **cfg.environments_cfg.family_kwargs)
-    return demo_tasks(family, n, EVAL_MAX_DIFFICULTY, seed + 7_777_777)
-
-
-def held_out_success(trainer: Any, cfg: ClawRayConfig, tasks: list[Any]) -> dict[str, Any]:
-    """``tasks`` played through serving by the trainer's runners, seeded (``EVAL_SEED``) at
-    the training temperature: the success rate, its binomial standard error and ``n``."""
-    res = trainer.envs.evaluate(tasks, cfg.environments_cfg.temperature, EVAL_SEED)
-    rate = float(np.mean([r["success"] for r in res]))
-    return {"success": rate, "stderr": float(np.sqrt(rate * (1 - rate) / max(len(res), 1))),
-            "n": len(res)}
 
 
 def run_env_learning(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,

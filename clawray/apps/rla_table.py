@@ -12,7 +12,7 @@ measures, before and after:
   played through serving with fixed per-step seeds (the env-demo's evaluation);
 - (ii) the RM's step accuracy against the environment's step oracle on a fixed held-out set
   of steps (the warm-started policy's steps on held-out tasks), ``rlanything.m`` scorings each
-  through the JudgeServer (``rm_sft.step_accuracy``: single scorings, majority, unparseable);
+  through the JudgeServer (``evaluate.step_accuracy``: single scorings, majority, unparseable);
 - (iii) the environment adapter's accepted rewrites, step by step.
 
 The "before" numbers are measured once per seed, in the first row: every row starts from the
@@ -39,7 +39,13 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from clawray.apps.env_demo import env_demo_config
 from clawray.config import ClawRayConfig
+from clawray.rlanything.loop import StepScorer
+from clawray.training.evaluate import (EVAL_MAX_DIFFICULTY, EVAL_SAMPLES, held_out_success,
+                                       held_out_tasks, step_accuracy)
+from clawray.training.rm_sft import EVAL_SEED_OFFSET, collect_steps, run_rm_sft
+from clawray.training.sft import run_sft
 
 APP = "rla-table"
 ROWS: dict[str, dict[str, bool]] = {
@@ -93,7 +99,6 @@ def check_rows(rows: list[str]) -> None:
 def table_config(cfg: ClawRayConfig, out: Path, row: str, seed: int, policy: str,
                  rm: str, scale: Scale = FULL) -> ClawRayConfig:
     """One row's settings: the env-demo's environment, the warm starts, the row's switches."""
-    from clawray.apps.env_demo import env_demo_config
 
     check_rows([row])
     run = out / f"seed{seed}" / row.replace("+", "_")
@@ -117,9 +122,6 @@ def warm_starts(cfg: ClawRayConfig, sft_seed: int, label_noise: float,
                 scale: Scale = FULL, progress: bool = True) -> tuple[str, str]:
     """The policy (``clawray sft``, seeded ``sft_seed``) and the RM (``clawray rm-sft`` on that
     policy's steps) every row starts from; both cached by their settings."""
-    from clawray.apps.env_demo import EVAL_MAX_DIFFICULTY, env_demo_config
-    from clawray.training.rm_sft import run_rm_sft
-    from clawray.training.sft import run_sft
 
     demo = env_demo_config(cfg, Path("."), sft_seed)
     if scale.sft_steps is not None:
@@ -139,9 +141,6 @@ def measure(trainer: Any, cfg: ClawRayConfig, tasks: list[Any],
             contexts: list[Any]) -> dict[str, Any]:
     """(i) held-out policy success through serving (the env-demo's evaluation); (ii) RM step
     accuracy on ``contexts``."""
-    from clawray.apps.env_demo import held_out_success
-    from clawray.rlanything.loop import StepScorer
-    from clawray.training.rm_sft import step_accuracy
 
     t0 = time.perf_counter()
     held = held_out_success(trainer, cfg, tasks)
@@ -198,6 +197,8 @@ def run_row(cfg: ClawRayConfig, steps: int, tasks: list[Any], contexts: list[Any
 def _run_row(cfg: ClawRayConfig, steps: int, tasks: list[Any], contexts: list[Any],
              before: dict[str, Any] | None, log: Callable[[str], None],
              t0: float) -> dict[str, Any]:
+    # Imported here: importing Serve reads RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S, which
+    # cluster() sets first.
     from ray import serve
 
     from clawray.serve.app import build_app
@@ -260,8 +261,6 @@ def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], rows: list[str] |
     ``parallel``: a seed's rows run at once on one cluster (faster where the rows leave cores
     idle, as the small scale does; the measured table ran its rows one after another, each on
     its own cluster)."""
-    from clawray.apps.env_demo import EVAL_MAX_DIFFICULTY, EVAL_SAMPLES, held_out_tasks
-    from clawray.training.rm_sft import EVAL_SEED_OFFSET, collect_steps
 
     rows = rows or list(ROWS)
     check_rows(rows)  # before any row runs

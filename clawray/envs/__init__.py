@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 from clawray.envs.base import (Action, Demonstration, EnvError, Param, StepResult, Task,
-                               TaskFamily, TextEnv, demonstrate)
+                               TaskFamily, TextEnv, demo_tasks, demonstrate)
 
 BUILTIN = {
     "household": "clawray.envs.household:HouseholdFamily",
@@ -49,5 +49,5 @@ def make_family(name: str, **kwargs: Any) -> TaskFamily:
     return family
 
 
-__all__ = ["Action", "BUILTIN", "Demonstration", "EnvError", "Param", "StepResult", "Task",
+__all__ = ["Action", "BUILTIN", "Demonstration", "demo_tasks", "EnvError", "Param", "StepResult", "Task",
            "TaskFamily", "TextEnv", "demonstrate", "make_family"]

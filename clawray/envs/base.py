@@ -277,6 +277,15 @@ class Demonstration:
     success: bool
 
 
+def demo_tasks(family: TaskFamily, n: int, max_difficulty: float, seed: int) -> list[Task]:
+    """``n`` seeded tasks with params in the lower ``max_difficulty`` share of each axis."""
+    rng = random.Random(seed)
+    low, high = family.low, family.high
+    top = low + (high - low) * max_difficulty
+    return [family.generate([rng.uniform(a, b) for a, b in zip(low, top)], rng.randrange(2**31))
+            for _ in range(n)]
+
+
 def demonstrate(family: TaskFamily, task: Task, max_steps: int = 100) -> Demonstration:
     """Play ``task`` with the family's expert solver."""
     env = family.make_env()

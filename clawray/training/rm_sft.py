@@ -42,12 +42,12 @@ from clawray.envs import make_family
 from clawray.envs.base import Task, TaskFamily
 from clawray.envs.rollout import Episode, play_episode, render_prompt
 from clawray.inference.engine import SamplingParams, TokenOutput
-from clawray.judging.step_rm import parse_step_score
 from clawray.models.chat_template import IM_END
 from clawray.rlanything.steps import StepContext, step_contexts, step_rm_request
 from clawray.samples import make_row
-from clawray.training.sft import (SFTResult, _files_digest, _train, cached_result, demo_tasks,
-                         learner_settings, play_tasks, save_result)
+from clawray.training.evaluate import play_tasks, rm_step_accuracy
+from clawray.training.sft import (SFTResult, cached_result, demo_tasks, files_digest,
+                                  learner_settings, save_result, train_sft)
 
 logger = logging.getLogger(__name__)
 RECIPE = "1"  # bump when the rows, the step collection or the training recipe change
@@ -144,70 +144,11 @@ def rm_sft_rows(contexts: list[StepContext], tokenizer: Any, history_window: int
     return rows
 
 
-def rm_step_accuracy(model_path: str | Path, cfg: ClawRayConfig, contexts: list[StepContext],
-                     m: int = 3, temperature: float = 0.8, seed: int = 0) -> dict[str, Any]:
-    """Score each step ``m`` times with the RM at ``model_path`` (one engine call with ``n=m``
-    per step, seeded ``seed + i``; ``rlanything.max_tokens`` tokens) against the oracle.
-
-    ``step_acc``: share of parseable scorings equal to the oracle label (None if none parse);
-    ``majority_acc``: share of steps whose majority of the ``m`` scorings is the oracle label
-    (unparseable scorings count for neither side; a tie is wrong); ``unparseable``: share of
-    all scorings without a verdict; ``plus_acc`` / ``minus_acc``: ``step_acc`` over progress /
-    no-progress steps only (an RM that always says -1 scores well on ``step_acc`` alone)."""
-    from clawray.inference.factory import make_engine
-    from clawray.models.loader import ModelInfo, load_tokenizer
-
-    tokenizer = load_tokenizer(model_path)
-    window = cfg.environments_cfg.history_window
-    max_tokens = cfg.rlanything_cfg.max_tokens
-
-    async def main() -> list[list[int | None]]:
-        engine = make_engine(cfg.model_cfg, cfg.inference_cfg, ModelInfo.from_path(model_path))
-        slots = asyncio.Semaphore(cfg.inference_cfg.max_running)
-
-        async def score(i: int, ctx: StepContext) -> list[int | None]:
-            ids = render_prompt(tokenizer, step_rm_request(ctx, window).messages, None)
-            params = SamplingParams(n=m, temperature=temperature, max_tokens=max_tokens,
-                                    seed=seed + i)
-            async with slots:
-                outs = await engine.generate(ids, params)
-            return [parse_step_score(tokenizer.decode(o.token_ids, skip_special_tokens=True))
-                    for o in outs]
-        try:
-            return list(await asyncio.gather(*(score(i, c) for i, c in enumerate(contexts))))
-        finally:
-            await engine.shutdown()
-
-    scores = asyncio.run(main())
-    return step_accuracy([c.progress for c in contexts], scores)
-
-
-def step_accuracy(progress: list[bool], scores: list[list[int | None]]) -> dict[str, Any]:
-    """``rm_step_accuracy``'s numbers from oracle labels and parsed scores (None: unparseable);
-    a share with nothing to count is None (JSON null in the info file)."""
-    def acc(which: list[int]) -> float | None:
-        hits = [s == (1 if progress[i] else -1) for i in which for s in scores[i]
-                if s is not None]
-        return sum(hits) / len(hits) if hits else None
-
-    steps = list(range(len(progress)))
-    majority = [sum(s for s in scores[i] if s is not None) * (1 if progress[i] else -1) > 0
-                for i in steps]
-    total = sum(len(s) for s in scores)
-    return {"step_acc": acc(steps),
-            "majority_acc": sum(majority) / len(steps) if steps else None,
-            "unparseable": (sum(s is None for row in scores for s in row) / total
-                            if total else None),
-            "plus_acc": acc([i for i in steps if progress[i]]),
-            "minus_acc": acc([i for i in steps if not progress[i]]),
-            "n_steps": len(steps), "n_plus": sum(progress)}
-
-
 def rm_sft_key(base: Path, policy: Path, cfg: ClawRayConfig, settings: dict[str, Any]) -> str:
     """Hash of what determines the result: base model and policy files, the environment and
     sampling the steps come from, the SFT, RM SFT and learner settings."""
     e, s = cfg.environments_cfg, cfg.sft_cfg
-    parts = {"recipe": RECIPE, "base": _files_digest(base), "policy": _files_digest(policy),
+    parts = {"recipe": RECIPE, "base": files_digest(base), "policy": files_digest(policy),
              "env": e.model_dump(include={"family", "family_kwargs", "history_window",
                                           "max_tokens", "temperature", "top_p", "max_steps"}),
              "sft": s.model_dump(include={"steps", "batch_size", "lr", "seed"}),
@@ -236,7 +177,7 @@ def run_rm_sft(cfg: ClawRayConfig, policy_path: str | Path, force: bool = False,
     contexts = collect_steps(policy, cfg, n_tasks, max_difficulty, s.seed)
     rows = rm_sft_rows(contexts, load_tokenizer(base), cfg.environments_cfg.history_window,
                        label_noise, s.seed)
-    history = _train(base, cfg, rows, progress)
+    history = train_sft(base, cfg, rows, progress)
     held_out = (collect_steps(policy, cfg, s.eval_tasks, max_difficulty,
                               s.seed + EVAL_SEED_OFFSET) if s.eval_tasks else [])
 

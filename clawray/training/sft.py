@@ -22,12 +22,10 @@ Point ``model.path`` at the printed folder to serve and train from it.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import json
 import logging
-import random
 import shutil
 import tempfile
 import time
@@ -37,11 +35,12 @@ from typing import Any, Callable
 import numpy as np
 
 from clawray.config import ClawRayConfig
-from clawray.envs import TaskFamily, demonstrate, make_family
+from clawray.envs import TaskFamily, demo_tasks, demonstrate, make_family
 from clawray.envs.base import Task
-from clawray.envs.rollout import Episode, context_messages, play_episode, render_prompt
+from clawray.envs.rollout import context_messages, render_prompt
 from clawray.models.chat_template import IM_END
 from clawray.samples import make_row, rows_to_batch
+from clawray.training.evaluate import evaluate_model
 
 logger = logging.getLogger(__name__)
 RECIPE = "1"  # bump when the rows or the training recipe change (not the eval protocol)
@@ -53,15 +52,6 @@ class SFTResult:
     path: Path
     cached: bool
     info: dict[str, Any]
-
-
-def demo_tasks(family: TaskFamily, n: int, max_difficulty: float, seed: int) -> list[Task]:
-    """``n`` seeded tasks with params in the lower ``max_difficulty`` share of each axis."""
-    rng = random.Random(seed)
-    low, high = family.low, family.high
-    top = low + (high - low) * max_difficulty
-    return [family.generate([rng.uniform(a, b) for a, b in zip(low, top)], rng.randrange(2**31))
-            for _ in range(n)]
 
 
 def expert_rows(family: TaskFamily, tasks: list[Task], tokenizer: Any,
@@ -102,7 +92,7 @@ def live_rows(path: str) -> list[dict[str, Any]]:
     return out
 
 
-def _files_digest(path: Path) -> str:
+def files_digest(path: Path) -> str:
     h = hashlib.sha256()
     for f in sorted(path.iterdir()):
         if f.is_file():
@@ -114,7 +104,7 @@ def _files_digest(path: Path) -> str:
 def sft_key(base: Path, cfg: ClawRayConfig) -> str:
     """Hash of what determines the result: base model files, family, SFT and learner settings."""
     e = cfg.environments_cfg
-    parts = {"recipe": RECIPE, "base": _files_digest(base), "family": e.family,
+    parts = {"recipe": RECIPE, "base": files_digest(base), "family": e.family,
              "family_kwargs": e.family_kwargs, "history_window": e.history_window,
              "sft": cfg.sft_cfg.model_dump(exclude={"cache_dir", "eval_tasks"}),
              "learner": learner_settings(cfg)}
@@ -122,47 +112,10 @@ def sft_key(base: Path, cfg: ClawRayConfig) -> str:
 
 
 def learner_settings(cfg: ClawRayConfig) -> dict[str, Any]:
-    """The learner settings besides ``sft.*`` that change what ``_train`` produces."""
+    """The learner settings besides ``sft.*`` that change what ``train_sft`` produces."""
     t = cfg.training_cfg
     return {"zero_stage": t.zero_stage, "max_pack_tokens": t.max_pack_tokens,
             "grad_clip": t.grad_clip, "betas": list(t.betas)}
-
-
-def play_tasks(path: Path, cfg: ClawRayConfig, tasks: list[Task],
-               temperature: float | None = None, seed: int = 0) -> list[Episode]:
-    """One episode per task with the model at ``path`` (clawray's engine, in this process),
-    sampling at the runners' temperature with seeds ``seed + i`` (reproducible per weights).
-    Greedy decoding would loop: a repeated observation gives the same wrong action again."""
-    from clawray.inference.engine import SamplingParams
-    from clawray.inference.factory import make_engine
-    from clawray.models.loader import ModelInfo, load_tokenizer
-
-    family = make_family(cfg.environments_cfg.family, **cfg.environments_cfg.family_kwargs)
-    tokenizer = load_tokenizer(path)
-    e = cfg.environments_cfg
-    temp = e.temperature if temperature is None else temperature
-
-    async def main() -> list[Episode]:
-        engine = make_engine(cfg.model_cfg, cfg.inference_cfg, ModelInfo.from_path(path))
-        try:
-            async def gen(ids: list[int], p: SamplingParams) -> Any:
-                return (await engine.generate(ids, p))[0]
-            return list(await asyncio.gather(*(play_episode(
-                family, t, gen, tokenizer,
-                SamplingParams(max_tokens=e.max_tokens, temperature=temp, top_p=e.top_p,
-                               seed=seed + i),
-                e.max_steps, history_window=e.history_window) for i, t in enumerate(tasks))))
-        finally:
-            await engine.shutdown()
-
-    return asyncio.run(main())
-
-
-def evaluate_model(path: Path, cfg: ClawRayConfig, tasks: list[Task],
-                   temperature: float | None = None, seed: int = 0) -> float:
-    """Success rate of the model at ``path`` on ``tasks`` (``play_tasks``)."""
-    results = [ep.success for ep in play_tasks(path, cfg, tasks, temperature, seed)]
-    return float(np.mean(results)) if results else float("nan")
 
 
 def cached_result(out: Path, force: bool = False) -> SFTResult | None:
@@ -215,7 +168,7 @@ def run_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True) -> S
                        cfg.environments_cfg.history_window)
     if s.live_samples:
         rows += live_rows(s.live_samples)
-    history = _train(base, cfg, rows, progress)
+    history = train_sft(base, cfg, rows, progress)
     held_out = demo_tasks(family, s.eval_tasks, s.max_difficulty, s.seed + 1_000_003)
 
     def describe(saved: Path) -> dict[str, Any]:
@@ -232,7 +185,7 @@ def run_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True) -> S
     return save_result(out, base, history["model"], describe)
 
 
-def _train(base: Path, cfg: ClawRayConfig, rows: list[dict[str, Any]],
+def train_sft(base: Path, cfg: ClawRayConfig, rows: list[dict[str, Any]],
            progress: bool) -> dict[str, Any]:
     """``sft.steps`` NLL steps on random batches of ``rows`` with one DeepSpeed rank."""
     import pyarrow as pa

@@ -78,8 +78,7 @@ def test_parallel_rows_record_every_row_under_its_own_app_and_write_the_table(tm
     import contextlib
     import threading
 
-    from clawray import env_demo
-    from clawray.rlanything import experiment, rm_sft
+    from clawray.apps import rla_table as experiment
 
     started: dict[str, str] = {}
     barrier = threading.Barrier(len(ROWS), timeout=10)  # fails unless the rows run at once
@@ -94,8 +93,8 @@ def test_parallel_rows_record_every_row_under_its_own_app_and_write_the_table(tm
     monkeypatch.setattr(experiment, "warm_starts", lambda *a, **k: ("/p", "/rm"))
     monkeypatch.setattr(experiment, "cluster", lambda *a, **k: contextlib.nullcontext())
     monkeypatch.setattr(experiment, "_run_row", fake_row)
-    monkeypatch.setattr(env_demo, "held_out_tasks", lambda cfg, n, seed: list(range(n)))
-    monkeypatch.setattr(rm_sft, "collect_steps", lambda *a: [])
+    monkeypatch.setattr(experiment, "held_out_tasks", lambda cfg, n, seed: list(range(n)))
+    monkeypatch.setattr(experiment, "collect_steps", lambda *a: [])
     s = experiment.run_table(ClawRayConfig(), tmp_path, [0], scale=SMALL, parallel=True,
                              log=lambda m: None)
     assert sorted(started) == ["rla-table-policy", "rla-table-policy-rm",

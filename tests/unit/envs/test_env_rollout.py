@@ -105,7 +105,8 @@ def test_a_group_without_signal_is_kept_masked_or_dropped(tiny_tokenizer):
 
 
 def test_sft_rows_are_the_expert_actions_with_end_of_turn(tiny_tokenizer):
-    from clawray.training.sft import demo_tasks, expert_rows
+    from clawray.envs import demo_tasks
+    from clawray.training.sft import expert_rows
 
     family = make_family("household")
     tasks = demo_tasks(family, 3, 0.5, seed=0)

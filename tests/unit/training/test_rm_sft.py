@@ -90,7 +90,7 @@ def test_label_noise_flips_about_that_share_of_verdicts(mixed_contexts, tiny_tok
 
 
 def test_step_accuracy_counts_parseable_votes_majorities_and_ties():
-    from clawray.training.rm_sft import step_accuracy
+    from clawray.training.evaluate import step_accuracy
 
     got = step_accuracy([True, False, True, False],
                         [[1, 1, -1], [None, None, None], [1, -1, None], [-1, -1, 1]])
@@ -154,7 +154,7 @@ def test_run_sft_saves_through_the_shared_cache_writer(tmp_path, tiny_model_path
 
     calls = []
     real = sft.save_result
-    monkeypatch.setattr(sft, "_train", lambda base, cfg, rows, progress: {
+    monkeypatch.setattr(sft, "train_sft", lambda base, cfg, rows, progress: {
         "model": load_model(base), "nll": [2.0, 1.0]})
     monkeypatch.setattr(sft, "save_result",
                         lambda *a, **k: calls.append(a[0]) or real(*a, **k))

@@ -1,7 +1,8 @@
-"""The curriculum actor: one task sampler serving leases of tasks to env runners.
+"""The curriculum's core: one task sampler serving leases of tasks to env runners.
 
-``Curriculum`` is the plain-Python core (testable without Ray); ``CurriculumActor`` is its Ray
-shell and ``get_or_create_curriculum`` the named handle runners share.
+``Curriculum`` is plain Python (testable without Ray); ``CurriculumActor`` in
+``clawray/curriculum/actor.py`` is its Ray shell and ``get_or_create_curriculum`` the named
+handle runners share.
 
 - ``lease(runner_id, n)`` hands out ``n`` tasks (one GRPO group each) as
   ``{"lease_id", "task"}``; tasks of released leases come first (a retry queue), then the
@@ -37,11 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import ray
 
 from clawray.curriculum.samplers import (TaskSampler, difficulty_histogram, make_sampler,
                                          sampler_from_state)
 from clawray.envs import Task, make_family
+from clawray.envs.base import SubBox
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +80,6 @@ class Curriculum:
         self.family_name, self.sampler_name = family_name, sampler
         self.family = make_family(family_name, **(family_kwargs or {}))
         if max_difficulty < 1.0:
-            from clawray.envs.base import SubBox
-
             self.family = SubBox(self.family, max_difficulty)
         self.checkpoint_path = checkpoint_path
         self.checkpoint_every, self.trajectory_every, self.bins = (
@@ -215,30 +214,3 @@ class Curriculum:
                      for k, v in state["info"].items()}
         self.trajectory = [list(t) for t in state["trajectory"]]
         self.counts.update(state["counts"])
-
-
-@ray.remote(num_cpus=0)
-class CurriculumActor(Curriculum):
-    """``Curriculum`` as a Ray actor (methods run one at a time, so no locking)."""
-
-    def ping(self) -> str:
-        return "pong"
-
-
-def get_or_create_curriculum(name: str, namespace: str = "clawray",
-                             runtime_env: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-    """The named curriculum actor (created with ``Curriculum(**kwargs)`` if missing; an
-    existing one keeps its settings). It is owned by the caller (not detached).
-
-    It restarts forever and re-runs its constructor, so it resumes from ``checkpoint_path``
-    (without one it starts afresh). Calls are retried through a restart
-    (``max_task_retries=-1``), which is safe here: a retried ``report`` applies at most once
-    (a lease closes when reported, and the restored state only holds leases not yet reported
-    at the checkpoint); a retried ``lease`` hands out new leases, and those of the lost reply
-    were made after the last checkpoint (checkpoints are written by later calls, which run
-    after the reply was sent), so they vanished with the crash.
-    """
-    return CurriculumActor.options(
-        name=name, namespace=namespace, get_if_exists=True, num_cpus=0, max_restarts=-1,
-        max_task_retries=-1, runtime_env=runtime_env,
-    ).remote(**kwargs)

@@ -1,4 +1,6 @@
-"""RLAnything's environment adaptation (REFERENCE §5) as a core class and a Ray actor.
+"""RLAnything's environment adaptation: rewrite a task harder when the policy solves it at
+accuracy >= 0.8, easier at <= 0.2, and keep a rewrite only if it moved accuracy the intended
+way (``docs/rlanything.md``). The core lives here; the Ray actor in ``env_adapter_actor.py``.
 
 The adapter holds ``n_slots`` task slots. A slot has an *active* task and at most one *pending
 candidate* (a harder or easier rewrite of it). One training step goes:
@@ -28,7 +30,8 @@ same ``step_id`` as the previous one (a retry after the actor restarted) returns
 answer unchanged.
 
 ``EnvAdapterCore`` is plain Python (``state()`` / ``from_state`` round-trip exactly, rng
-included); ``EnvAdapter`` is its async Ray actor, checkpointed like ``CurriculumActor``.
+included); ``EnvAdapter`` (``clawray/rlanything/env_adapter_actor.py``) is its async Ray actor,
+checkpointed like ``CurriculumActor``.
 """
 
 from __future__ import annotations
@@ -44,11 +47,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import ray
 
-from clawray.curriculum.actor import write_json_atomic
+from clawray.config import JudgeConfig
+from clawray.curriculum.core import write_json_atomic
 from clawray.envs import EnvError, Task, TaskFamily, make_family
 from clawray.envs.base import Direction, SubBox
+from clawray.envs.llm_rewrite import with_llm_rewrite
+from clawray.judging.backends import make_backend
 from clawray.rlanything.core import accept_candidate, accuracy, adaptation_direction
 
 logger = logging.getLogger(__name__)
@@ -422,82 +427,6 @@ def build_family(family_name: str, family_kwargs: dict[str, Any] | None = None,
     family = make_family(family_name, **(family_kwargs or {}))
     if llm_rewrite is None:
         return family
-    from clawray.config import JudgeConfig
-    from clawray.envs.llm_rewrite import with_llm_rewrite
-    from clawray.judging.backends import make_backend
-
     settings = dict(llm_rewrite)
     backend = make_backend(JudgeConfig(**settings.pop("judge", {})), judge_handle)
     return with_llm_rewrite(family, backend, **settings)
-
-
-@ray.remote(num_cpus=0)
-class EnvAdapter:
-    """``EnvAdapterCore`` as an async Ray actor: an LLM rewrite awaits its backend without
-    blocking the actor; a lock keeps one call at a time on the state (``metrics`` excepted)."""
-
-    def __init__(self, family_name: str, family_kwargs: dict[str, Any] | None = None,
-                 checkpoint_path: str | None = None, checkpoint_every: int = 1,
-                 llm_rewrite: dict[str, Any] | None = None, judge_handle: Any = None,
-                 **settings: Any) -> None:
-        if checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
-        family = build_family(family_name, family_kwargs, llm_rewrite, judge_handle)
-        config = AdapterConfig(**settings)
-        self.checkpoint_path, self.checkpoint_every = checkpoint_path, checkpoint_every
-        if checkpoint_path and Path(checkpoint_path).exists():
-            self.core = EnvAdapterCore.load(checkpoint_path, family)
-            if self.core.config != config:
-                logger.warning("env adapter settings %s differ from the checkpoint's %s; the "
-                               "checkpoint's are kept", config, self.core.config)
-            logger.info("env adapter restored from %s at step %d", checkpoint_path,
-                        self.core.step)
-        else:
-            self.core = EnvAdapterCore(family, config)
-        self._lock = asyncio.Lock()
-
-    async def ping(self) -> str:
-        return "pong"
-
-    async def tasks_for_step(self) -> list[dict[str, Any]]:
-        async with self._lock:
-            return self.core.tasks_for_step()
-
-    async def report(self, results: list[dict[str, Any]],
-                     step_id: int | None = None) -> dict[str, Any]:
-        async with self._lock:
-            out = await self.core.areport(results, step_id)
-            if self.checkpoint_path and self.checkpoint_every \
-                    and self.core.counts["reports"] % self.checkpoint_every == 0:
-                self.core.save(self.checkpoint_path)
-            return out
-
-    async def metrics(self) -> dict[str, Any]:
-        return self.core.metrics()
-
-    async def state(self) -> dict[str, Any]:
-        async with self._lock:
-            return self.core.state()
-
-    async def save(self, path: str | None = None) -> str:
-        path = path or self.checkpoint_path
-        if not path:
-            raise ValueError("no checkpoint path: pass one to save() or to the constructor")
-        async with self._lock:
-            return self.core.save(path)
-
-
-def get_or_create_env_adapter(name: str, namespace: str = "clawray",
-                              runtime_env: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-    """The named env adapter actor (created with ``EnvAdapter(**kwargs)`` if missing; an
-    existing one keeps its settings), owned by the caller.
-
-    It restarts forever and resumes from ``checkpoint_path``. Calls are retried through a
-    restart (``max_task_retries=-1``): ``tasks_for_step`` only reads, and a retried ``report``
-    that carries a ``step_id`` returns the saved answer if the checkpoint already holds it
-    (with ``checkpoint_every=1``, the default, every report is saved before it returns).
-    """
-    return EnvAdapter.options(
-        name=name, namespace=namespace, get_if_exists=True, num_cpus=0, max_restarts=-1,
-        max_task_retries=-1, runtime_env=runtime_env,
-    ).remote(**kwargs)

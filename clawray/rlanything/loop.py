@@ -192,7 +192,7 @@ class RLAnythingLoop:
         import ray
 
         from clawray.buffer.actor import start_sample_buffer
-        from clawray.rlanything.env_adapter import get_or_create_env_adapter
+        from clawray.rlanything.env_adapter_actor import get_or_create_env_adapter
 
         self.cfg, self.app, self.envs = cfg, app, envs
         r = self.r = cfg.rlanything_cfg

@@ -10,7 +10,7 @@ import pandas as pd
 import pyarrow.dataset as ds
 import pytest
 
-from clawray import buffer as buffer_mod
+from clawray.buffer import core as buffer_mod
 from clawray.buffer.core import CHECKPOINT, SampleBufferCore, fetch, fetch_from_wal, segment_name
 from clawray.samples import SampleValidationError, make_row, rows_to_batch
 

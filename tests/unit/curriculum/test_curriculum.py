@@ -233,7 +233,7 @@ def test_learnability_and_accuracy_band_sample_the_learnable_frontier_more_than_
 # ---------------------------------------------------------------- the actor's core, no Ray
 
 def test_curriculum_core_saves_atomically_and_rejects_a_mismatched_checkpoint(tmp_path):
-    from clawray.curriculum.actor import Curriculum
+    from clawray.curriculum.core import Curriculum
 
     path = str(tmp_path / "c.json")
     a = Curriculum("tests.support.curriculum_toy:ToyFamily", sampler="learnability",

@@ -16,8 +16,8 @@ from clawray.envs.base import Direction
 from clawray.envs.household import HouseholdFamily
 from clawray.envs.llm_rewrite import LLMRewriteFamily
 from clawray.judging.prompts import JudgeRequest
-from clawray.rlanything.env_adapter import (AdapterConfig, EnvAdapterCore, build_family,
-                                        get_or_create_env_adapter)
+from clawray.rlanything.env_adapter import AdapterConfig, EnvAdapterCore, build_family
+from clawray.rlanything.env_adapter_actor import get_or_create_env_adapter
 
 N = 10  # rollouts per task: accuracies are multiples of 0.1
 

@@ -212,7 +212,7 @@ class BufferConfig(_Section):
 
 
 class LossSettings(_Section):
-    """The policy loss (``clawray.learner.losses.LossConfig``); REFERENCE §4."""
+    """The policy loss (``clawray.learner.losses.LossConfig``); see docs/training.md."""
 
     clip_low: float = Field(0.2, gt=0, lt=1, description="Ratio clipped below at 1 - clip_low.")
     clip_high: float = Field(0.28, gt=0, description="Ratio clipped above at 1 + clip_high.")
@@ -361,7 +361,7 @@ class SFTConfig(_Section):
 
 class RLAnythingConfig(_Section):
     """RLAnything (``clawray/rlanything``): the step-wise reward model, its co-training, and the
-    environment adaptation (REFERENCE §5). Used by ``training.mode: rlanything``."""
+    environment adaptation (docs/rlanything.md). Used by ``training.mode: rlanything``."""
 
     lam: float = Field(1.0, ge=0, description="λ in R = O + (λ/m) Σ S.")
     m: int = Field(3, ge=1, description="RM scorings per step.")

@@ -5,7 +5,9 @@ token-exact: ``prompt_ids`` is the chat template applied to the request, ``respo
 the sampled ids (including the stop token), with one raw log-prob per id.
 
 Sinks receive records off the response path: ``RecordSink.put`` must not block (the JSONL sink
-hands lines to a writer thread). The SessionHub (next slice) is a sink too.
+hands lines to a writer thread). The session pipeline is one too: ``HubSink``
+(``clawray/sessions/pipeline.py``) sends each record to its session's ``SessionHub`` actor
+(``clawray/sessions/hub.py``), fire-and-forget.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ALP-GMM: a curriculum over continuous task parameters (REFERENCE §6; Portelas et al. 2019).
+"""ALP-GMM: a curriculum over continuous task parameters (Portelas et al. 2019).
 
 The teacher samples task parameters in a box where the student's *absolute learning progress*
 (ALP) is high:

@@ -5,11 +5,11 @@ outcome of each GRPO group (``update(task, rewards)``: the G rewards in [0, 1], 
 Four are built in, chosen by name with ``make_sampler``:
 
 - ``uniform``: uniform params in the family's box, a random seed;
-- ``alp_gmm``: the ALP-GMM teacher (REFERENCE §6) over the box, fed each group's mean reward;
+- ``alp_gmm``: the ALP-GMM teacher (``alp_gmm.py``) over the box, fed each group's mean reward;
 - ``learnability``: a pool of generated tasks sampled ∝ p(1 − p) + ε (p: recent success);
   unseen tasks score 0.25 (the maximum of p(1 − p)); a task whose p is 0 or 1 over at least
   ``min_episodes`` recent episodes is retired and replaced by a fresh one;
-- ``accuracy_band``: RLAnything's acc-band pool (REFERENCE §5): task slots, sampled uniformly
+- ``accuracy_band``: RLAnything's acc-band pool: task slots, sampled uniformly
   among those whose recent accuracy is in ``band`` (inclusive) or unknown. An out-of-band slot
   is no longer served, so its ``patience`` is counted in groups reported to the sampler (any
   slot), not in its own groups: that is the window an adapter has to ``replace()`` it with a

@@ -34,6 +34,8 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 
+from clawray.models.tool_calls import parse_tool_calls
+
 Direction = Literal["harder", "easier"]
 
 
@@ -113,8 +115,6 @@ class Action:
     @classmethod
     def from_text(cls, text: str) -> "Action":
         """Parse a completion the way serving does (``<tool_call>`` blocks → tool calls)."""
-        from clawray.models.tool_calls import parse_tool_calls
-
         content, calls = parse_tool_calls(text)
         return cls(content or "", [c.to_openai() for c in calls])
 

@@ -1,5 +1,5 @@
-"""On-policy distillation with hindsight hints (REFERENCE §4): pick a hint, inject it, and turn
-teacher log-probs into token advantages.
+"""On-policy distillation with hindsight hints (docs/sessions.md, "Judging"): pick a hint,
+inject it, and turn teacher log-probs into token advantages.
 
 Pure functions, no Ray and no model: the teacher log-probs themselves come from a judge
 backend (``JudgeServer.teacher_logprobs``), scored on the exact response ids the policy sampled.

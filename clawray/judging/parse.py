@@ -1,4 +1,4 @@
-r"""Read judge outputs: ``\boxed{…}`` verdicts, OPD hints, and the majority vote (REFERENCE §3).
+r"""Read judge outputs: ``\boxed{…}`` verdicts, OPD hints, and the majority of valid votes.
 
 Which box is the verdict. The last verdict box wins, where a box is *not* a verdict (it is a
 mention of the format, e.g. the judge quoting the prompt while thinking) when:

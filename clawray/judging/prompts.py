@@ -1,4 +1,5 @@
-"""Judge prompts: the PRM rubric (REFERENCE §3) and the OPD hint judge (REFERENCE §4).
+"""Judge prompts: the PRM rubric (+1 progress, -1 failure, 0 ambiguous, judged by the next
+state) and the OPD hint judge (a 1-3 sentence hint when the next state reveals hindsight).
 
 OpenClaw-RL shows its judge only the reply and the next state; clawray also shows the request
 the reply answered and a bounded slice of earlier history (oldest messages dropped first, with

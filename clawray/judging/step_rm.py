@@ -1,4 +1,4 @@
-r"""The step-wise reward model of RLAnything (REFERENCE §5): its prompt and its score.
+r"""The step-wise reward model of RLAnything (docs/rlanything.md): its prompt and its score.
 
 The RM judges one action of an agent in an environment: did it make progress toward the task?
 It sees the task, a bounded slice of the interaction so far (oldest messages dropped first, with

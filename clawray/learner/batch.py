@@ -6,7 +6,7 @@ padding). The logits at position ``p`` predict the token at ``p + 1``, so a resp
 per-token tensor below (``target_ids``, ``rollout_logprobs``, ``advantages``, ``mask``,
 ``seq_index``) has one entry per response token, in row order.
 
-Advantages per row (REFERENCE §4): a per-token ``advantages`` column wins, then a scalar
+Advantages per row: a per-token ``advantages`` column wins, then a scalar
 ``advantage`` (environment rows after integration), then by ``kind``: ``rl`` broadcasts
 ``reward``; ``opd`` uses ``teacher − rollout``; ``combine`` uses ``w_opd·(teacher − rollout) +
 w_rl·reward`` (teacher term 0 where a row has no teacher log-probs). ``sft`` rows (expert

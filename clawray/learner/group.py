@@ -30,7 +30,7 @@ from clawray.weights.sync import make_weight_sync
 logger = logging.getLogger(__name__)
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -48,7 +48,7 @@ class LearnerWorker:
 
     def rendezvous(self) -> tuple[str, int]:
         ip = ray.util.get_node_ip_address()
-        return ip, _free_port(ip)
+        return ip, free_port(ip)
 
     def setup(self, master_addr: str, master_port: int) -> str:
         init_distributed(self.rank, self.world_size, master_addr, master_port)

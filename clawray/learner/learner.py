@@ -35,10 +35,11 @@ import torch
 from torch import Tensor
 
 from clawray.config import TrainingConfig
-from clawray.learner.batch import (PackedBatch, block_causal_mask, center_rewards,
-                                   loss_seq_count, loss_token_count, make_batch, shard_rows)
+from clawray.learner.batch import (PackedBatch, block_causal_mask, center_rewards, loss_seq_count,
+                                   loss_token_count, make_batch, shard_rows)
 from clawray.learner.losses import LossConfig, policy_loss
 from clawray.samples import pack_column
+from clawray.weights.sync import lora_payload
 
 logger = logging.getLogger(__name__)
 
@@ -278,8 +279,6 @@ class LearnerCore:
         Collective under ZeRO-3 (every rank must call); the result matters on rank 0 only.
         """
         if self.lora:
-            from clawray.weights.sync import lora_payload
-
             return "lora", lora_payload(self.module)
         ctx = nullcontext()
         if self.cfg.zero_stage == 3:

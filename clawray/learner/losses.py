@@ -6,8 +6,9 @@ sequence (``0..num_seqs-1``). ``mask`` is the loss mask: tokens where it is 0 co
 to a loss, a gradient or a metric, even when their log-probs are NaN or inf (inputs are
 sanitized with ``torch.where`` before any arithmetic, so NaN cannot leak through a product).
 
-Formulas follow REFERENCE §4 (Binary RL, OPD, combine, top-K distillation) and §7 (AReaL
-decoupled PPO with truncated importance sampling for stale samples).
+Formulas: Binary RL (the reward broadcast over response tokens), OPD and combine advantages,
+top-K reverse-KL distillation, and AReaL's decoupled PPO (clip centred on the proximal policy)
+with truncated importance sampling for stale samples; docs/training.md, "Loss choices".
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ def policy_loss(logprobs: Tensor, rollout_logprobs: Tensor, advantages: Tensor, 
 
 def opd_advantages(teacher_logprobs: Tensor, rollout_logprobs: Tensor,
                    clip: float | None = None) -> Tensor:
-    """OPD token advantage ``teacher - rollout`` (REFERENCE §4), clamped to [-clip, clip]."""
+    """OPD token advantage ``teacher - rollout``, clamped to [-clip, clip]."""
     if clip is not None and not clip > 0:
         raise ValueError(f"opd clip must be > 0 or None, got {clip}")
     adv = teacher_logprobs.detach() - rollout_logprobs.detach()
@@ -241,7 +242,7 @@ def opd_advantages(teacher_logprobs: Tensor, rollout_logprobs: Tensor,
 def combine_advantages(rollout_logprobs: Tensor, reward_per_token: Tensor, cfg: LossConfig,
                        teacher_logprobs: Tensor | None = None,
                        has_teacher: Tensor | None = None) -> Tensor:
-    """``A_t = w_opd * (teacher_t - old_t) + w_rl * r`` (REFERENCE §4 combine).
+    """``A_t = w_opd * (teacher_t - old_t) + w_rl * r`` (the ``combine`` sample kind).
 
     Hint and score: both terms. Hint only: pass ``r = 0``. Score only (no teacher): pass
     ``teacher_logprobs=None``, or mark the rows with ``has_teacher`` False per token; those

@@ -1,5 +1,5 @@
 """RLAnything: the policy, a step-wise reward model and the environment co-evolving
-(REFERENCE §5, docs/rlanything.md).
+(docs/rlanything.md).
 
 - ``core``: the rules as pure functions (step rewards, advantages, RM consistency rewards,
   task bands, adaptation trigger and acceptance, Theorem 1's simulation); no Ray, no torch.

@@ -1,5 +1,5 @@
 """RLAnything's rules as plain functions: step rewards, advantages, RM rewards, task filters,
-environment adaptation and Theorem 1 (REFERENCE §5). No Ray, no torch: numpy only.
+environment adaptation and Theorem 1 (docs/rlanything.md). No Ray, no torch: numpy only.
 
 Notation: a task is rolled out several times; rollout ``τ`` has steps ``i = 0, 1, …``; the
 step-wise reward model (RM) scores each step ``m`` times, ``S[τ,i,j] ∈ {−1, +1}`` (``None``
@@ -74,7 +74,7 @@ def live_turn_reward(outcome: int | None, votes: Sequence[int | None],
                      lam: float = 1.0) -> float:
     """A live turn as one RLAnything step: ``R = O + (lam / m) Σ_j S_j``, its m PRM votes the
     scores and explicit feedback the outcome ``O`` (``None``: no feedback, so ``O = 0`` and the
-    votes alone decide). A live PRM vote may also be 0 (neutral, REFERENCE §3); like an
+    votes alone decide). A live PRM vote may also be 0 (the rubric's "ambiguous"); like an
     unparseable vote (``None``) it adds nothing but counts in m. No votes: ``R = O``."""
     if outcome is not None and (isinstance(outcome, bool) or outcome not in (-1, 1)):
         raise ValueError(f"outcome must be +1, -1 or None (no feedback), got {outcome!r}")
@@ -178,7 +178,7 @@ def adaptation_direction(acc: float, harder_at: float = 0.8,
 
 def accept_candidate(direction: Direction, acc_before: float, acc_candidate: float,
                      low: float = 0.2, high: float = 0.8) -> bool:
-    """Whether a rewritten task replaces the active one (REFERENCE §5).
+    """Whether a rewritten task replaces the active one (RLAnything's acceptance rule).
 
     Accepted iff ``acc′ > 0`` (a task nobody solves teaches nothing and may be unsolvable) and
     harder: ``acc′ < acc`` and ``acc′ ≥ low``; easier: ``acc′ > acc`` and ``acc′ ≤ high``.

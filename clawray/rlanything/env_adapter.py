@@ -65,7 +65,7 @@ REASON_CHARS = 300
 
 @dataclasses.dataclass(frozen=True)
 class AdapterConfig:
-    """Slots and thresholds (REFERENCE §5 defaults)."""
+    """Slots and thresholds; the defaults are RLAnything's (docs/rlanything.md, "The rules")."""
 
     n_slots: int = 8
     seed: int = 0

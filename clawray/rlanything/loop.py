@@ -1,4 +1,4 @@
-"""``training.mode: rlanything``: one synchronous RLAnything step (REFERENCE §5), driver side.
+"""``training.mode: rlanything``: one synchronous RLAnything step, driver side.
 
 The env runners usually play on their own and stream GRPO groups into the env buffer; here the
 trainer drives them, because every phase of a step works on the same batch, in this order:
@@ -38,11 +38,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from clawray.buffer.actor import start_sample_buffer
+from clawray.buffer.core import fetch
 from clawray.config import ClawRayConfig, RLAnythingConfig
 from clawray.envs.base import Task
 from clawray.envs.rollout import Episode
+from clawray.judging.backends import FunctionBackend, make_backend
 from clawray.judging.step_rm import parse_step_score
 from clawray.rlanything import core
+from clawray.rlanything.env_adapter_actor import get_or_create_env_adapter
+from clawray.rlanything.rm_cotrainer import rm_rows, start_rm_cotrainer
 from clawray.rlanything.steps import StepContext, step_contexts, step_rm_request
 from clawray.samples import make_row
 
@@ -74,12 +79,8 @@ class StepScorer:
 
             self.handle = serve.get_deployment_handle("JudgeServer", app_name=app)
         elif self.r.rm_backend == "function":
-            from clawray.judging.backends import FunctionBackend
-
             self.backend = FunctionBackend(self.r.rm_function)
         else:
-            from clawray.judging.backends import make_backend
-
             self.backend = make_backend(cfg.judge_cfg.model_copy(update={"backend": "openai"}))
 
     async def _one(self, ctx: StepContext, sem: asyncio.Semaphore,
@@ -134,8 +135,6 @@ class TaskResult:
 def task_result(episodes: Sequence[Episode], scored: Sequence[Sequence[ScoredStep]],
                 r: RLAnythingConfig, train_rm: bool) -> TaskResult:
     """Rewards, advantages, rows and the critique of one task's rollouts (pure; no Ray)."""
-    from clawray.rlanything.rm_cotrainer import rm_rows
-
     outcomes = [1 if ep.success else -1 for ep in episodes]
     acc = core.accuracy(outcomes)
     rewards = [core.step_rewards(o, [s.scores for s in steps], r.lam) if steps else []
@@ -191,8 +190,6 @@ class RLAnythingLoop:
     def __init__(self, cfg: ClawRayConfig, app: str, envs: Any) -> None:
         import ray
 
-        from clawray.buffer.actor import start_sample_buffer
-        from clawray.rlanything.env_adapter_actor import get_or_create_env_adapter
 
         self.cfg, self.app, self.envs = cfg, app, envs
         r = self.r = cfg.rlanything_cfg
@@ -210,8 +207,6 @@ class RLAnythingLoop:
         self.rm = None
         self.rm_buffer = None
         if self.train_rm:
-            from clawray.rlanything.rm_cotrainer import start_rm_cotrainer
-
             self.rm = start_rm_cotrainer(cfg, app)
             self.rm_buffer = start_sample_buffer(
                 cfg.buffer_cfg.model_copy(update={"path": cfg.buffer_cfg.path.rstrip("/") + "-rm",
@@ -292,8 +287,6 @@ class RLAnythingLoop:
         if self.rm is None or not rows:
             return {}
         t0 = time.perf_counter()
-        from clawray.buffer.core import fetch
-
         ray.get(self.rm_buffer.add.remote(rows))  # durable before it is trained on
         table = fetch(ray.get(self.rm_buffer.take.remote(len(rows), 10.0, 1)), ray.get)
         out = dict(ray.get(self.rm.update.remote(table)))

@@ -1,6 +1,6 @@
 """The RLAnything reward-model co-trainer: the step RM learns from its agreement with outcomes.
 
-What the RM learns from (REFERENCE §5): the JudgeServer scores every step ``i`` of a rollout
+What the RM learns from: the JudgeServer scores every step ``i`` of a rollout
 ``τ`` ``m`` times (``judge_samples``, one engine call). Scoring ``j`` earns the consistency
 reward ``R_S = R[τ,i] · S[τ,i,j]`` (the raw step reward times the score it gave, so agreeing
 with a clearly good or bad step earns most), or −2 when it gave no parseable score;

@@ -26,11 +26,14 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from clawray.buffer.actor import start_sample_buffer
 from clawray.config import ClawRayConfig
+from clawray.curriculum.actor import get_or_create_curriculum
 from clawray.envs import make_family
 from clawray.envs.base import Task
 from clawray.envs.rollout import Episode, group_rows, play_episode
 from clawray.inference.engine import SamplingParams
+from clawray.models.loader import load_tokenizer, policy_model_info
 
 logger = logging.getLogger(__name__)
 NAMESPACE = "clawray"
@@ -55,9 +58,6 @@ class EnvRunner:
     """Plays episodes of the configured family; see the module docstring."""
 
     def __init__(self, config: dict[str, Any], app: str, runner_id: str) -> None:
-        from clawray.models.loader import load_tokenizer
-        from clawray.models.loader import policy_model_info
-
         self.cfg = ClawRayConfig.from_dict(config)
         e = self.cfg.environments_cfg
         self.env_cfg, self.app, self.runner_id = e, app, runner_id
@@ -195,9 +195,6 @@ class EnvRunnerGroup:
     """N EnvRunners, their curriculum and env buffer, kept running (driver side)."""
 
     def __init__(self, cfg: ClawRayConfig, app: str) -> None:
-        from clawray.buffer.actor import start_sample_buffer
-        from clawray.curriculum.actor import get_or_create_curriculum
-
         self.cfg, self.app = cfg, app
         e, c = cfg.environments_cfg, cfg.curriculum_cfg
         names = env_names(app, cfg)

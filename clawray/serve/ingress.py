@@ -23,14 +23,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from clawray.config import ClawRayConfig
 from clawray.inference.engine import SamplingParams, TokenOutput
 from clawray.models.loader import load_tokenizer, policy_model_info
-from clawray.records import RecordSink, TeeSink, make_sink
+from clawray.records import GatedSink, RecordSink, TeeSink, make_sink
 from clawray.serve.auth import KeyChecker
 from clawray.serve.chat import ChatService
-from clawray.records import GatedSink
-from clawray.weights.control import start_app_control
-from clawray.weights.receiver import WeightReceiver, start_receiver
 from clawray.serve.policy_server import HandlePolicy, LocalPolicy, PolicyCore
 from clawray.serve.protocol import APIError, parse_feedback, parse_request
+from clawray.sessions.pipeline import HubSink, start_live_pipeline
+from clawray.weights.control import start_app_control
+from clawray.weights.receiver import WeightReceiver, start_receiver
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +89,6 @@ class IngressCore:
         sinks: list[RecordSink] = []
         for kind in s.record_sink:
             if kind == "hub":
-                from clawray.sessions.pipeline import HubSink, start_live_pipeline
-
                 self.hub_sink = HubSink(start_live_pipeline(cfg, app_name))
                 # Training data only while the operator's collecting switch is on.
                 sinks.append(GatedSink(self.hub_sink, self.collecting))

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
-# Body fields that carry session metadata (REFERENCE §1, OpenClaw affinity); never generated on.
+# Body fields that carry session metadata (see session_meta.py); never generated on.
 SESSION_BODY_FIELDS = ("session_id", "turn_type", "session_done", "prompt_cache_key")
 
 

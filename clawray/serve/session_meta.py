@@ -1,6 +1,6 @@
 """Session metadata of a request: which session, which turn type, whether the session ended.
 
-Sources, first match wins (REFERENCE §1 plus OpenClaw's session-affinity option):
+Sources, first match wins (OpenClaw-RL's protocol plus OpenClaw's session-affinity option):
 
 - session id: ``X-Session-Id`` header, ``session_id`` body field, ``session_id`` header,
   ``x-session-affinity`` header, ``prompt_cache_key`` body field; without any, a stable key

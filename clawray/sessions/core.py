@@ -3,7 +3,7 @@
 Pure Python, no Ray and no clock of its own (every call takes ``now``), so each rule is a
 millisecond unit test; ``clawray/sessions/hub.py`` is the actor shell that feeds it.
 
-Life of a main turn (REFERENCE §1–2, docs/sessions.md):
+Life of a main turn (docs/sessions.md, "The rules"):
 
     awaiting ──(its reply found in a later main request)──► judging ──► held ──► emitted
        │                                                                 ▲
@@ -403,5 +403,5 @@ def _trainable(fin: FinishedTurn, rules: SessionRules) -> bool:
 
 
 def score_of(votes: list[int | None]) -> int:
-    """Majority of valid votes; a tie or no valid vote gives 0 (REFERENCE §3)."""
+    """Majority of valid votes; a tie or no valid vote gives 0."""
     return aggregate(votes).score

@@ -1,4 +1,4 @@
-"""Training rows from finished live turns (the sample kinds of REFERENCE §2 and §4).
+"""Training rows from finished live turns (docs/sessions.md, "Rewards and masks").
 
 Per turn, for each kind in ``sessions.sample_kinds``:
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from clawray.rlanything.core import live_turn_reward
 from clawray.samples import make_row
 from clawray.sessions.core import FinishedTurn, SessionRules, score_of
 
@@ -33,8 +34,6 @@ def rl_reward(fin: FinishedTurn, rules: SessionRules) -> float:
     if fin.status == "regenerated":
         return float(rules.regenerate_reward or 0.0)
     if rules.reward_rule == "rlanything":
-        from clawray.rlanything.core import live_turn_reward
-
         votes = fin.verdict.votes if fin.verdict is not None else []
         return live_turn_reward(fin.outcome, votes, rules.step_score_weight)
     if fin.outcome_scope == "turn" and fin.outcome is not None:

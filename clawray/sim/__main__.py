@@ -21,6 +21,7 @@ import time
 from collections import Counter, defaultdict
 from typing import Any
 
+from clawray.models.loader import resolve_model_path
 from clawray.sim.preferences import PREFERENCES, Preference, get_preference
 from clawray.sim.users import (MESSAGE_TYPES, SYSTEM_PROMPT, evaluate, follow_up, make_request,
                                run_users, satisfaction_rate)
@@ -38,7 +39,6 @@ def measure(preference: Preference, model: str = "embedded:tiny", n: int = 240, 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from clawray.models.loader import resolve_model_path
 
     path = resolve_model_path(model)
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -43,6 +43,7 @@ from clawray.envs.base import Task, TaskFamily
 from clawray.envs.rollout import Episode, play_episode, render_prompt
 from clawray.inference.engine import SamplingParams, TokenOutput
 from clawray.models.chat_template import IM_END
+from clawray.models.loader import load_tokenizer, policy_model_info, resolve_model_path
 from clawray.rlanything.steps import StepContext, step_contexts, step_rm_request
 from clawray.samples import make_row
 from clawray.training.evaluate import play_tasks, rm_step_accuracy
@@ -87,8 +88,6 @@ def collect_steps(policy_path: str | Path, cfg: ClawRayConfig, n_tasks: int,
     balancing of ``rm_sft_rows`` would throw most no-progress steps away, so the expert's
     steps of the same tasks (all progress, in practice) are appended, one task at a time,
     until it is no longer so or the tasks run out."""
-    from clawray.models.loader import load_tokenizer
-
     e = cfg.environments_cfg
     family = make_family(e.family, **e.family_kwargs)
     tasks = demo_tasks(family, n_tasks, max_difficulty, seed)
@@ -161,9 +160,6 @@ def run_rm_sft(cfg: ClawRayConfig, policy_path: str | Path, force: bool = False,
                label_noise: float = 0.0, base: str | Path | None = None) -> SFTResult:
     """Warm-start the step-wise RM on the oracle labels of the policy's steps (cached; see
     the module doc). ``base``: the model the RM starts from (default: ``model.path``)."""
-    from clawray.models.loader import load_tokenizer, resolve_model_path
-    from clawray.models.loader import policy_model_info
-
     s, r = cfg.sft_cfg, cfg.rlanything_cfg
     base = (Path(resolve_model_path(str(base))) if base is not None
             else Path(policy_model_info(cfg).path))

@@ -38,7 +38,10 @@ from clawray.config import ClawRayConfig
 from clawray.envs import TaskFamily, demo_tasks, demonstrate, make_family
 from clawray.envs.base import Task
 from clawray.envs.rollout import context_messages, render_prompt
+from clawray.learner.group import free_port
+from clawray.learner.learner import LearnerCore, init_distributed
 from clawray.models.chat_template import IM_END
+from clawray.models.loader import load_tokenizer, policy_model_info
 from clawray.samples import make_row, rows_to_batch
 from clawray.training.evaluate import evaluate_model
 
@@ -152,9 +155,6 @@ def save_result(out: Path, base: Path, model: Any,
 
 def run_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True) -> SFTResult:
     """Warm-start the configured model on expert demonstrations (cached; see module doc)."""
-    from clawray.models.loader import load_tokenizer
-    from clawray.models.loader import policy_model_info
-
     s = cfg.sft_cfg
     base = Path(policy_model_info(cfg).path)
     key = sft_key(base, cfg)
@@ -191,14 +191,12 @@ def train_sft(base: Path, cfg: ClawRayConfig, rows: list[dict[str, Any]],
     import pyarrow as pa
     from tqdm.auto import tqdm
 
-    from clawray.learner.learner import LearnerCore, init_distributed
-    from clawray.learner.group import _free_port
 
     s = cfg.sft_cfg
     t = cfg.training_cfg.model_copy(update={
         "lr": s.lr, "mini_batches": 1, "micro_batches": 1, "num_learners": 1, "lora_rank": 0,
         "seed": s.seed, "loss": cfg.training_cfg.loss.model_copy(update={"kl_coef": 0.0})})
-    init_distributed(0, 1, "127.0.0.1", _free_port("127.0.0.1"))
+    init_distributed(0, 1, "127.0.0.1", free_port("127.0.0.1"))
     learner = LearnerCore(base, t)
     table = pa.Table.from_batches([rows_to_batch(rows)])
     rng = np.random.default_rng(s.seed)

@@ -43,6 +43,7 @@ from clawray.learner.group import LearnerGroup
 from clawray.models.loader import policy_model_info
 from clawray.rlanything.loop import RLAnythingLoop
 from clawray.rollout.runner import EnvRunnerGroup
+from clawray.serve.app import build_app
 from clawray.sessions.pipeline import start_live_pipeline
 from clawray.weights.publisher import WeightPublisher
 
@@ -128,8 +129,6 @@ class Trainer(tune.Trainable):
         except Exception:  # noqa: BLE001 - no Serve controller yet
             running = False
         if not running:
-            from clawray.serve.app import build_app
-
             logger.info("Serve app %r is not running: starting it", self.app)
             serve.run(build_app(self.cfg), name=self.app,
                       route_prefix="/" if self.app == "clawray" else f"/{self.app}")

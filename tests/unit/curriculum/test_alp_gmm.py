@@ -1,5 +1,5 @@
-"""ALP-GMM (REFERENCE §6): each rule of the reference algorithm, and a synthetic teacher test
-against uniform sampling."""
+"""ALP-GMM (Portelas et al. 2019): each rule of the reference algorithm, as listed in
+``alp_gmm.py``'s docstring, and a synthetic teacher test against uniform sampling."""
 
 from __future__ import annotations
 

@@ -93,9 +93,9 @@ def test_a_bare_quoted_example_cannot_be_told_apart_so_the_last_box_wins():
 
 # ---------------------------------------------------------------------------- aggregate
 @pytest.mark.parametrize("votes, score, failures", [
-    ([1, None, None], 1, 2),     # REFERENCE §3
-    ([1, -1, None], 0, 1),       # REFERENCE §3: tie
-    ([1, 1, -1], 1, 0),          # REFERENCE §3
+    ([1, None, None], 1, 2),     # the only valid vote decides
+    ([1, -1, None], 0, 1),       # a tie of valid votes: 0
+    ([1, 1, -1], 1, 0),          # majority
     ([0, 0, 1], 0, 0),
     ([None, None, None], 0, 3),
     ([1, 0, -1], 0, 0),          # three-way tie

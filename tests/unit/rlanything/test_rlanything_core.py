@@ -1,4 +1,5 @@
-"""RLAnything's rules (REFERENCE §5) and the step-wise RM prompt, against hand-computed values."""
+"""RLAnything's rules (docs/rlanything.md) and the step-wise RM prompt, against hand-computed
+values."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Golden tests of the live-session state machine (REFERENCE §1–2), without Ray."""
+"""Golden tests of the live-session state machine (docs/sessions.md, "The rules"), without Ray."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 r"""``clawray rm-sft``: a supervised warm start for RLAnything's step-wise reward model.
 
-Co-training the RM (``rm_trainer.py``) rewards its verdicts for agreeing with outcomes, so it
+Co-training the RM (``clawray/rlanything/rm_cotrainer.py``) rewards its verdicts for agreeing with outcomes, so it
 needs an RM that already writes a verdict: the untrained embedded model never ends with a
 ``\boxed{}``, every scoring is unparseable and co-training gets no signal. This warm start
 teaches the verdict format and a first notion of progress from the environment's step oracle:

@@ -1,4 +1,4 @@
-"""``clawray rla-table`` (rlanything/experiment.py): the rows' settings, the summary over seeds
+"""``clawray rla-table`` (clawray/apps/rla_table.py): the rows' settings, the summary over seeds
 and the table, from hand-made run results (the runs themselves need minutes per step; their
 numbers are in docs/rlanything.md)."""
 

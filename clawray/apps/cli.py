@@ -18,8 +18,11 @@ import logging
 import sys
 from pathlib import Path
 
-from clawray.config import ClawRayConfig, ConfigError
-from clawray.apps.launch import start_serving
+from clawray.config import ClawRayConfig, ConfigError, apply_sets, load_config
+
+# Each command imports its own stack (Ray, Serve, torch, DeepSpeed) inside its function, so
+# `clawray --help`, a bad flag or `clawray samples` answer at once instead of after seconds of
+# imports.
 
 
 def _config(args: argparse.Namespace) -> ClawRayConfig:
@@ -43,6 +46,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _config(args)
     print(f"clawray: serving {cfg.model_cfg.path} at http://{cfg.serving_cfg.host}:"
           f"{cfg.serving_cfg.port}/v1 (Ctrl-C stops)", flush=True)
+    from clawray.apps.launch import start_serving
+
     start_serving(cfg, blocking=True)
     return 0
 
@@ -64,7 +69,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_rm_sft(args: argparse.Namespace) -> int:
     from clawray.training.rm_sft import run_rm_sft
-    from clawray.config import apply_sets, load_config
 
     cfg = apply_sets(load_config(args.config), args.set).validate()
     _prebuild(cfg)
@@ -85,7 +89,6 @@ def cmd_rm_sft(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     from clawray.training.sft import run_sft
-    from clawray.config import apply_sets, load_config
 
     cfg = apply_sets(load_config(args.config), args.set).validate()
     _prebuild(cfg)
@@ -117,7 +120,6 @@ def cmd_rla_table(args: argparse.Namespace) -> int:
     import dataclasses
 
     from clawray.apps.rla_table import SCALES, run_table, table_markdown, warm_starts
-    from clawray.config import apply_sets, load_config
 
     cfg = apply_sets(load_config(args.config), args.set).validate()
     _prebuild(cfg)

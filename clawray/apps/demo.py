@@ -20,12 +20,18 @@ import asyncio
 import dataclasses
 import json
 import random
+import shutil
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from clawray.apps.launch import start_serving
 from clawray.config import ClawRayConfig
+from clawray.models.loader import policy_model_info
+from clawray.sim.preferences import BriefReplies
+from clawray.sim.users import SimUser, evaluate, make_client
+from clawray.training.trainer import Trainer
 
 ITERATIONS = 40
 USERS = 8
@@ -74,9 +80,6 @@ class UserPool:
         self._log.write(json.dumps(dataclasses.asdict(rec)) + "\n")
 
     async def _run(self) -> None:
-        from clawray.sim.preferences import BriefReplies
-        from clawray.sim.users import SimUser, make_client
-
         base_url, api_key, model = self.args
         client = make_client(base_url, api_key, timeout_s=120, concurrency=self.num_users)
         users = [SimUser(i, client, model, BriefReplies(), random.Random(f"{self.seed}/{i}"),
@@ -113,9 +116,6 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
                  iterations: int, users: int, eval_n: int, seed: int,
                  log: Any = print) -> dict[str, Any]:
     """Evaluate, train from simulated live users, evaluate again; return the summary."""
-    from clawray.sim.users import evaluate
-    from clawray.training.trainer import Trainer
-
     started = time.monotonic()
     before = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed))
     log(f"clawray demo: before training, the users' preference is met by {before.rate:.1%} "
@@ -186,12 +186,8 @@ def plot_progress(summary: dict[str, Any], path: Path) -> None:
 
 def run_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS, users: int = USERS,
              eval_n: int = EVAL_N, seed: int = SEED) -> int:
-    from clawray.apps.launch import start_serving
-    from clawray.models.loader import policy_model_info
-
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("samples", "checkpoints"):  # a previous run's log would be trained on
-        import shutil
 
         shutil.rmtree(out / stale, ignore_errors=True)
     (out / "metrics.jsonl").unlink(missing_ok=True)

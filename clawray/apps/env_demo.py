@@ -32,10 +32,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray
+from ray import serve
 
-from clawray.config import ClawRayConfig
+from clawray.config import ClawRayConfig, apply_sets
+from clawray.serve.app import build_app
 from clawray.training.evaluate import (EVAL_MAX_DIFFICULTY, EVAL_SAMPLES, held_out_success,
                                        held_out_tasks)
+from clawray.training.sft import run_sft
+from clawray.training.trainer import Trainer
 
 ITERATIONS = 20
 EVAL_N = 100
@@ -70,7 +75,6 @@ def env_demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED,
                   "learner_num_cpus": 0.5, "seed": seed,
                   "checkpoint_dir": str(out / "checkpoints"),
                   "metrics_path": str(out / "metrics.jsonl")})
-    from clawray.config import apply_sets
 
     return apply_sets(demo, sets or [])
 
@@ -79,8 +83,6 @@ def run_env_learning(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS
                      eval_n: int = EVAL_N, eval_every: int = 10, seed: int = SEED,
                      progress: bool = True) -> dict[str, Any]:
     """Train ``iterations`` env iterations on an app already serving ``cfg``'s model."""
-    from clawray.training.trainer import Trainer
-
     tasks = held_out_tasks(cfg, eval_n, seed) * EVAL_SAMPLES
     trainer = Trainer(config=cfg.to_dict())
     evals: list[dict[str, Any]] = []
@@ -209,12 +211,6 @@ def run_env_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
                  eval_n: int = EVAL_N, eval_every: int = 10, seed: int = SEED,
                  sft_seed: int | None = None,
                  sets: list[str] | None = None) -> int:
-    import ray
-    from ray import serve
-
-    from clawray.serve.app import build_app
-    from clawray.training.sft import run_sft
-
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("samples", "samples-env", "checkpoints"):
         shutil.rmtree(out / stale, ignore_errors=True)

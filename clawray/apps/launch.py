@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import os
+import time
 from typing import Any
 
+import httpx
+import ray
+from ray import serve
+
 from clawray.config import ClawRayConfig
+from clawray.serve.app import build_app
 
 
 def start_serving(cfg: ClawRayConfig, *, blocking: bool) -> str:
     """Start (or join) local Ray, run the app, return the base URL."""
-    import ray
-    from ray import serve
-
-    from clawray.serve.app import build_app
-
     s = cfg.serving_cfg
     if not ray.is_initialized():
         # Direct ingress: the ingress replica also serves HTTP on its own port (30000 and up),
@@ -41,8 +44,6 @@ def start_serving(cfg: ClawRayConfig, *, blocking: bool) -> str:
     for url in direct:
         print(f"clawray: ingress replica serving directly at {url}/v1 (fastest)", flush=True)
     if blocking:
-        import time
-
         while True:
             time.sleep(3600)
     return (direct[0] if direct else f"http://{s.host}:{s.port}") + "/v1"
@@ -50,9 +51,6 @@ def start_serving(cfg: ClawRayConfig, *, blocking: bool) -> str:
 
 def _off_event_loop(fn: Any) -> Any:
     """``fn()``, in a worker thread when this thread runs an asyncio event loop."""
-    import asyncio
-    import concurrent.futures
-
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -69,7 +67,6 @@ def direct_ingress_urls(host: str, instances: set[str], first_port: int = 30000,
     same machine may hold ports in the same range."""
     if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
         return []
-    import httpx
 
     urls = []
     for port in range(first_port, first_port + span):

@@ -14,8 +14,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow.dataset as ds
+from openai import OpenAI
+
+from clawray.apps.launch import start_serving
 from clawray.config import ClawRayConfig
+from clawray.models.loader import load_tokenizer, policy_model_info
 from clawray.records import read_jsonl_records
+from clawray.sessions.pipeline import attach_live_pipeline
 
 LS_TOOL = {
     "type": "function",
@@ -36,12 +42,6 @@ USER_TURNS = [
 
 
 def run_replay(cfg: ClawRayConfig, records_dir: Path) -> int:
-    from openai import OpenAI
-
-    from clawray.apps.launch import start_serving
-    from clawray.models.loader import load_tokenizer
-    from clawray.models.loader import policy_model_info
-
     records_dir.mkdir(parents=True, exist_ok=True)
     records_path = records_dir / "turns.jsonl"
     records_path.unlink(missing_ok=True)
@@ -96,10 +96,6 @@ def run_replay(cfg: ClawRayConfig, records_dir: Path) -> int:
 def _read_samples(cfg: ClawRayConfig, path: Path, session: str, expected: int,
                   timeout_s: float = 30.0) -> list[dict[str, Any]]:
     """The session's rows in the sample log, once the hubs have written them."""
-    import pyarrow.dataset as ds
-
-    from clawray.sessions.pipeline import attach_live_pipeline
-
     pipe = attach_live_pipeline(cfg, "clawray")
     deadline = time.time() + timeout_s
     rows: list[dict[str, Any]] = []

@@ -39,13 +39,23 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from clawray.apps.env_demo import env_demo_config
+# A JudgeServer busy scoring answers Serve's queue-length probe late: give it 1 s instead of
+# 0.1 s before Serve warns (it warned on most requests). Serve reads this when it is first
+# imported, which the imports below do, so it is set first.
+os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")
+
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+
+from clawray.apps.env_demo import env_demo_config  # noqa: E402
 from clawray.config import ClawRayConfig
 from clawray.rlanything.loop import StepScorer
+from clawray.serve.app import build_app
 from clawray.training.evaluate import (EVAL_MAX_DIFFICULTY, EVAL_SAMPLES, held_out_success,
                                        held_out_tasks, step_accuracy)
 from clawray.training.rm_sft import EVAL_SEED_OFFSET, collect_steps, run_rm_sft
 from clawray.training.sft import run_sft
+from clawray.training.trainer import Trainer
 
 APP = "rla-table"
 ROWS: dict[str, dict[str, bool]] = {
@@ -165,12 +175,6 @@ def describe(measured: dict[str, Any]) -> str:
 def cluster(cfg: ClawRayConfig, rows: int = 1) -> Iterator[None]:
     """A local Ray cluster with Serve for ``rows`` rows at once; the caller's if it started
     one (``ray.init`` first), which is then left running."""
-    # A JudgeServer busy scoring answers Serve's queue-length probe late: give it 1 s instead
-    # of 0.1 s before Serve warns (it warned on most requests). Read when Serve is imported.
-    os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")
-    import ray
-    from ray import serve
-
     own = not ray.is_initialized()
     if own:
         # Logical CPUs beyond the cores: the actors mostly wait on each other (as the tests'
@@ -197,13 +201,6 @@ def run_row(cfg: ClawRayConfig, steps: int, tasks: list[Any], contexts: list[Any
 def _run_row(cfg: ClawRayConfig, steps: int, tasks: list[Any], contexts: list[Any],
              before: dict[str, Any] | None, log: Callable[[str], None],
              t0: float) -> dict[str, Any]:
-    # Imported here: importing Serve reads RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S, which
-    # cluster() sets first.
-    from ray import serve
-
-    from clawray.serve.app import build_app
-    from clawray.training.trainer import Trainer
-
     app = cfg.training_cfg.app
     serve.run(build_app(cfg), name=app, route_prefix=f"/{app}")
     try:

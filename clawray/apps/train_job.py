@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"clawray.train: {e}", file=sys.stderr)
         return 2
 
+    # Imported once the config is known good: a bad flag or config answers without the
+    # seconds that Ray, Tune and torch take to import.
     import ray
 
     from clawray.training.trainer import Trainer

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import ray
+from ray import serve
 
 from clawray.config import JudgeConfig
 from clawray.judging.backends import JudgeUnavailable, make_backend
@@ -36,8 +37,6 @@ class PRMVoter:
         cfg = JudgeConfig.model_validate(judge)
         handle = None
         if cfg.backend == "server":
-            from ray import serve
-
             handle = serve.get_deployment_handle("JudgeServer", app_name=app_name or "clawray")
         self.backend = make_backend(cfg, handle)
 

@@ -45,6 +45,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -336,8 +337,6 @@ def seed_copy_circuit(model: Any, tokenizer: Any, spec: TinyModelSpec) -> dict[A
     """Write the copy circuit into ``model`` in place; returns the freeze masks (1 = trainable),
     or None if the spec (4+ heads, 2+ key/value heads, head_dim 16, width) or the tokenizer
     (single-token ``name``, `` {"``, `` "``) does not fit the construction."""
-    import math
-
     import torch
 
     flag_ids = [tokenizer.encode(t, add_special_tokens=False) for t in ("name", ' {"', ' "')]

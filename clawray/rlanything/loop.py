@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import ray
+from ray import serve
 
 from clawray.buffer.actor import start_sample_buffer
 from clawray.buffer.core import fetch
@@ -75,8 +77,6 @@ class StepScorer:
         self.handle = None
         self.backend = None
         if self.r.rm_backend == "server":
-            from ray import serve
-
             self.handle = serve.get_deployment_handle("JudgeServer", app_name=app)
         elif self.r.rm_backend == "function":
             self.backend = FunctionBackend(self.r.rm_function)
@@ -188,8 +188,6 @@ class RLAnythingLoop:
     """The driver's side of ``training.mode: rlanything`` (see the module docstring)."""
 
     def __init__(self, cfg: ClawRayConfig, app: str, envs: Any) -> None:
-        import ray
-
 
         self.cfg, self.app, self.envs = cfg, app, envs
         r = self.r = cfg.rlanything_cfg
@@ -225,16 +223,12 @@ class RLAnythingLoop:
         judge.update(backend=r.rm_backend, function=r.rm_function)
         out: dict[str, Any] = {"llm_rewrite": {"judge": judge, "temperature": r.temperature}}
         if r.rm_backend == "server":
-            from ray import serve
-
             out["judge_handle"] = serve.get_deployment_handle("JudgeServer", app_name=app)
         return out
 
     def rollouts_and_rows(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
                                          dict[str, Any]]:
         """Phases 1-4; returns (policy rows, RM rows, metrics)."""
-        import ray
-
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         slots = ray.get(self.adapter.tasks_for_step.remote())
@@ -282,8 +276,6 @@ class RLAnythingLoop:
 
     def rm_update(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """Phase 6 and the RM's weight sync: durable rows, one RM update, publish."""
-        import ray
-
         if self.rm is None or not rows:
             return {}
         t0 = time.perf_counter()
@@ -300,21 +292,15 @@ class RLAnythingLoop:
         return out
 
     def metrics(self) -> dict[str, Any]:
-        import ray
-
         return ray.get(self.adapter.metrics.remote())
 
     def save(self, path: str) -> None:
         """The adapter's state (``path``/env_adapter.json) and the RM learner (``path``/rm)."""
-        import ray
-
         ray.get(self.adapter.save.remote(str(Path(path) / "env_adapter.json")))
         if self.rm is not None:
             ray.get(self.rm.save.remote(str(Path(path) / "rm")))
 
     def shutdown(self) -> None:
-        import ray
-
         if self.rm is not None:
             try:
                 ray.get(self.rm.shutdown.remote(), timeout=30)

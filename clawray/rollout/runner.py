@@ -24,6 +24,7 @@ import uuid
 from typing import Any
 
 import ray
+from ray import serve
 from ray.exceptions import RayActorError
 
 from clawray.buffer.actor import start_sample_buffer
@@ -47,8 +48,6 @@ def env_names(app: str, cfg: ClawRayConfig) -> dict[str, str]:
 
 def policy_handle(app: str, cfg: ClawRayConfig) -> Any:
     """The deployment whose ``generate(prompt_ids, params)`` serves this app's policy."""
-    from ray import serve
-
     name = "PolicyServer" if cfg.serving_cfg.layout == "split" else "Ingress"
     return serve.get_deployment_handle(name, app_name=app)
 

@@ -33,6 +33,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+from tqdm.auto import tqdm
 
 from clawray.config import ClawRayConfig
 from clawray.envs import TaskFamily, demo_tasks, demonstrate, make_family
@@ -84,8 +87,6 @@ def expert_rows(family: TaskFamily, tasks: list[Task], tokenizer: Any,
 
 def live_rows(path: str) -> list[dict[str, Any]]:
     """Recorded live turns with a positive reward, as ``sft`` rows."""
-    import pyarrow.dataset as ds
-
     table = ds.dataset(Path(path).expanduser(), format="parquet").to_table()
     out = []
     for r in table.to_pylist():
@@ -188,9 +189,6 @@ def run_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True) -> S
 def train_sft(base: Path, cfg: ClawRayConfig, rows: list[dict[str, Any]],
            progress: bool) -> dict[str, Any]:
     """``sft.steps`` NLL steps on random batches of ``rows`` with one DeepSpeed rank."""
-    import pyarrow as pa
-    from tqdm.auto import tqdm
-
 
     s = cfg.sft_cfg
     t = cfg.training_cfg.model_copy(update={

@@ -34,8 +34,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import ray
-from ray import tune
+from ray import serve, tune
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
+from ray.util.metrics import Gauge
+from tqdm.auto import tqdm
 
 from clawray.buffer.core import fetch
 from clawray.config import ClawRayConfig
@@ -58,8 +60,6 @@ class _Gauges:
     """Per-iteration values as Ray metrics (scraped by Prometheus with the rest of Ray's)."""
 
     def __init__(self, app: str) -> None:
-        from ray.util.metrics import Gauge
-
         self.app = app
         self.gauges = {k: Gauge(f"clawray_train_{k}", description=f"training: {k}",
                                 tag_keys=("app",)) for k in (*LOGGED, "policy_version", "samples")}
@@ -122,8 +122,6 @@ class Trainer(tune.Trainable):
 
     def _ensure_app(self) -> None:
         """Attach to the running Serve app named ``training.app``, or start it."""
-        from ray import serve
-
         try:
             running = self.app in serve.status().applications
         except Exception:  # noqa: BLE001 - no Serve controller yet
@@ -278,8 +276,6 @@ class Trainer(tune.Trainable):
 
     def fit(self, iterations: int, progress: bool = True) -> list[dict[str, Any]]:
         """Run ``iterations`` training iterations with a progress bar; return their results."""
-        from tqdm.auto import tqdm
-
         results = []
         with tqdm(total=iterations, disable=not progress, desc="clawray train",
                   unit="it") as bar:

@@ -6,25 +6,35 @@ The outcome of an episode is decided by the task, not by the model's sampling: t
 instance (one per runner) counts the episodes it has started of each task, and the ``k``-th
 (from 0) succeeds iff ``k`` is even. A group is ``group_size`` episodes of one task started one
 after the other (a runner starts a group's episodes together, and a retried group starts them
-again), so any group of two or more episodes holds ``ceil(n/2)`` successes and ``floor(n/2)``
-failures: 2 and 2 for a group of 4, so GRPO advantages of +1 and -1 and an accuracy of 0.5 (in
-RLAnything's policy and RM bands, no adaptation). Every seed gives its own task, so two
-groups in flight at once never share a counter.
+again): ``n`` consecutive counts, so a group of ``n >= 2`` episodes holds at least one success
+and one failure, and a group of 4 exactly 2 and 2 (GRPO advantages +1 and -1, accuracy 0.5:
+inside RLAnything's policy and RM bands, no rewrite). Every seed gives its own task, so two
+groups in flight at once do not share a counter.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from clawray.envs.base import Action, Direction, EnvError, Param, StepResult, Task, TaskFamily, TextEnv
+from clawray.envs.base import (
+    Action,
+    Direction,
+    EnvError,
+    Param,
+    StepResult,
+    Task,
+    TaskFamily,
+    TextEnv,
+)
 
 
 class SplitEnv(TextEnv):
     """One step; succeeds iff this is an even-numbered episode of its task (see module)."""
 
-    def __init__(self, family: "SplitFamily") -> None:
+    def __init__(self, family: SplitFamily) -> None:
         self.family = family
         self.success: bool | None = None
         self.done = False

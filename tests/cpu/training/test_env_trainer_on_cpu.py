@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import ray
 
 from clawray.config import ClawRayConfig
 
@@ -26,8 +25,8 @@ def env_cfg(served, tmp_path_factory):
            .sessions(idle_timeout_s=2, feedback_window_s=0, flush_interval_s=0.1)
            .judge(num_voters=1, timeout_s=20)
            .buffer(path=str(tmp_path_factory.mktemp("env-trainer") / "s"), seal_age_s=0.1)
-           .environments(family="tests.support.env_split:SplitFamily", num_runners=1, runner_num_cpus=0.25,
-                         concurrency=2, group_size=4, max_tokens=6,
+           .environments(family="tests.support.env_split:SplitFamily", num_runners=1,
+                         runner_num_cpus=0.25, concurrency=2, group_size=4, max_tokens=6,
                          runtime_env={"env_vars": {"PYTHONPATH": REPO}})
            .curriculum(sampler="uniform")
            .training(app=APP, mode="env", batch_size=8, min_batch=4, take_timeout_s=60,
@@ -52,8 +51,11 @@ def test_env_mode_trains_on_grpo_groups_and_serving_gets_the_weights(env_cfg, tm
         assert [r["policy_version"] for r in results] == [v0 + 1, v0 + 2]
         assert {"env_episodes_per_s", "env_success", "env_curriculum"} <= set(results[-1])
         assert results[-1]["env_curriculum"]["reported"] >= 2
-        status = ray.get(trainer.control.status.remote())
+        status = trainer.publisher.status()
         assert status["version"] == results[-1]["policy_version"]
+        # every live replica serving the policy runs that version (not just the published one)
+        running = [r["version"] for r in status["replicas"].values() if r["live"] and r["weights"]]
+        assert running and set(running) == {status["version"]}, status
         line = json.loads(trainer.metrics_path.read_text().splitlines()[-1])
         assert "env_success" in line
         state = trainer.save_checkpoint(str(tmp_path / "ckpt"))

@@ -40,7 +40,12 @@ def test_ranks_on_two_nodes_update_like_one(multinode):
     assert out is not None, multinode["stderr"]
     assert out["nodes"] == 2 and out["rank_nodes"] == 2
     assert out["update_l2"] > 0.1
-    assert out["rel_l2"] < 1e-3 and out["off_frac"] < 1e-4, out
+    # Adam's first step is ~lr * sign(grad): the few elements whose gradient is float noise
+    # (off_frac, here ~5e-6) may step the other way in another summation order, and each such
+    # flip costs ~2 lr, so rel_l2 ~ 2 sqrt(off_frac) at most (a 1e-3 bound failed on a fresh
+    # machine at rel_l2 0.00102, off_frac 5e-6). A rank's share of the batch missing would
+    # flip the sign of many elements' gradients, not a handful.
+    assert out["off_frac"] < 1e-4 and out["rel_l2"] < 1e-2, out
 
 
 def test_two_runners_spread_over_two_nodes_play_and_write_their_groups(multinode):

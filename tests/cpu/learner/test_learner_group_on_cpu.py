@@ -29,7 +29,12 @@ def test_two_ranks_update_like_one(ray_cluster, tiny_model_path):
             group.shutdown()
     d = update_distance(tiny_model_path, payloads[1], payloads[2])
     assert d["update_l2"] > 0.1  # the step did move the weights
-    assert d["rel_l2"] < 1e-3 and d["off_frac"] < 1e-4, d
+    # Adam's first step is ~lr * sign(grad): the few elements whose gradient is float noise
+    # (off_frac, here ~5e-6) may step the other way in another summation order, and each such
+    # flip costs ~2 lr, so rel_l2 ~ 2 sqrt(off_frac) at most (a 1e-3 bound failed on a fresh
+    # machine at rel_l2 0.00102, off_frac 5e-6). A rank's share of the batch missing would
+    # flip the sign of many elements' gradients, not a handful.
+    assert d["off_frac"] < 1e-4 and d["rel_l2"] < 1e-2, d
     assert metrics[1]["loss"] == pytest.approx(metrics[2]["loss"], rel=1e-5)
     assert metrics[1]["tokens"] == metrics[2]["tokens"]
     assert metrics[2]["rows"] == table.num_rows  # the ranks' shares add up to the batch

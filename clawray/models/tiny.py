@@ -12,19 +12,22 @@ default policy model the first time one is needed:
    decode as text so the tool parser sees them). The ChatML template of ``chat_template.py`` is
    saved with it. The real OpenClaw prompt (~60,000 characters with its 12 tool schemas) comes
    out at about 18k tokens, well inside the 32,768 positions.
-3. **Model**: a ``transformers`` ``Qwen3ForCausalLM`` (tied embeddings, ~0.6 M parameters at
-   the default spec), randomly initialised from ``torch.manual_seed(spec.seed)``, then a small
-   *copy circuit* is written into its first two layers by hand (``seed_copy_circuit`` below):
-   attention that finds the first listed tool's name, so the model can copy it.
-4. **Imprint**: 400 AdamW steps (~50 s on 2 idle CPU cores, minutes on a busy one) on short chats
-   (``corpus.imprint_example``), loss on the assistant answer only, circuit weights frozen.
+3. **Model**: a ``transformers`` ``Qwen3ForCausalLM`` (tied embeddings, ~0.65 M parameters at
+   the default spec: 2 layers, hidden 64, 4 query and 2 key/value heads of 32 dims, the smallest
+   head vLLM's CPU attention serves), randomly initialised from ``torch.manual_seed(spec.seed)``,
+   then a small *copy circuit* is written into its first two layers by hand
+   (``seed_copy_circuit`` below): attention that finds the first listed tool's name, so the
+   model can copy it.
+4. **Imprint**: 400 AdamW steps on short chats (``corpus.imprint_example``), loss on the
+   assistant answer only, circuit weights frozen (a whole build takes ~35-40 s on 2 idle CPU
+   cores, minutes on a busy one).
    Decoding greedily, the model then (a) answers a plain user message with a short canned
    reply and ``<|im_end|>``, and (b) when tools are given and the last user message contains
    ``CALL_TOOL``, answers ``<tool_call>\n{"name": "<first tool>", "arguments": {}}\n</tool_call>``
    then ``<|im_end|>``. That makes every serving path (text, streaming, tool calls, multi-turn)
    exercisable with a model that loads in milliseconds; RL starts from it. Limits (measured on
-   300 fresh imprint-style chats): plain replies are right ~94% of the time; CALL_TOOL answers
-   are a well-formed single call ~90% of the time but name the first tool only ~50-60% (1-3
+   300 fresh imprint-style chats): plain replies are right ~99% of the time; CALL_TOOL answers
+   are a well-formed single call ~98% of the time but name the first tool only ~55% (1-3
    token names; longer names fail); on the 60,000-character OpenClaw prompts the model answers
    with text, not reliably a call.
 
@@ -62,7 +65,7 @@ from clawray.models.corpus import generate_corpus, imprint_example
 
 logger = logging.getLogger(__name__)
 
-RECIPE_VERSION = "3"
+RECIPE_VERSION = "4"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
                 "<think>", "</think>")
@@ -79,7 +82,7 @@ class TinyModelSpec:
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    head_dim: int = 16
+    head_dim: int = 32  # vLLM's CPU attention refuses 16
     intermediate_size: int = 192
     max_position_embeddings: int = 32768
     rope_theta: float = 1_000_000.0
@@ -311,10 +314,10 @@ def imprint(model: Any, tokenizer: Any, spec: TinyModelSpec, say: _Progress | No
 
 
 # --- the seeded copy circuit ---------------------------------------------------------------------
-# Copying a tool name from the prompt needs attention that finds it; a 2-layer model with 16-dim
-# heads does not discover that in a few hundred steps (it learns the format and memorizes names
-# instead). So the weights that find the name are set by hand and frozen; the imprint trains the
-# rest. Residual dims 0..10 are reserved: 0 a constant, 1-3 flags set in the embeddings of the
+# Copying a tool name from the prompt needs attention that finds it; a 2-layer model with such
+# small heads does not discover that in a few hundred steps (it learns the format and memorizes
+# names instead). So the weights that find the name are set by hand and frozen; the imprint trains
+# the rest. Residual dims 0..10 are reserved: 0 a constant, 1-3 flags set in the embeddings of the
 # tokens ``name``, `` {"`` and `` "``, 4-10 features written by layer 0.
 # Layer 0: four purely positional heads (query and key read only the constant dim; RoPE phases
 # make head h attend exactly ``2 + h`` tokens back) copy those flags forward: N_d = "``name`` is d
@@ -329,23 +332,45 @@ def imprint(model: Any, tokenizer: Any, spec: TinyModelSpec, say: _Progress | No
 # with positional attention only; key/value head 1 of layer 1 stays free for content attention
 # (it is what notices CALL_TOOL). Names longer than three tokens, rare-token names and prompts
 # far longer than the imprint's are beyond this circuit.
+# Head size: the construction is written for 16-dim heads (``_BASE_HD``) and placed into any
+# even head_dim >= 16 (the default is 32: vLLM's CPU attention refuses 16) by ``_rope_dim``:
+# RoPE pair i of a 16-dim head (dims i and i + 8, frequency rope_theta ** (-2i/16)) becomes the
+# pair of the same frequency in the wider head (dims 2i and 2i + 16 at 32; the nearest frequency
+# when head_dim is not a multiple of 16). The QK-norm gains shrink by (16/head_dim) ** 0.25:
+# RMS-normalising over head_dim dims and the 1/sqrt(head_dim) score scale together grow the
+# score of a fixed set of seeded dims by sqrt(head_dim/16), so every seeded score, hence every
+# seeded attention pattern, is the one of the 16-dim construction. The copy stays rank 16 (the
+# value dims 16+ of head 0 start at zero): a rank-32 copy at 32 writes twice the energy into
+# every position's residual and cost the greeting/other reply choice ~10 points (88% vs 99%
+# right on 197 fresh plain chats). At head_dim 16 all of this is the identity (the weights of
+# recipe 3).
 
 _N, _B, _Q3, _RESERVED = {2: 4, 3: 5, 4: 6, 5: 7}, {4: 8, 5: 9}, 10, 11
+_BASE_HD = 16
+
+
+def _rope_dim(dim: int, hd: int) -> int:
+    """Head dim ``dim`` of the 16-dim construction, placed in a head of ``hd`` dims."""
+    half, i = _BASE_HD // 2, dim % (_BASE_HD // 2)
+    pair = (2 * i * hd + _BASE_HD) // (2 * _BASE_HD)  # round(i * hd / 16): same frequency
+    return pair + (hd // 2 if dim >= half else 0)
 
 
 def seed_copy_circuit(model: Any, tokenizer: Any, spec: TinyModelSpec) -> dict[Any, Any] | None:
     """Write the copy circuit into ``model`` in place; returns the freeze masks (1 = trainable),
-    or None if the spec (4+ heads, 2+ key/value heads, head_dim 16, width) or the tokenizer
-    (single-token ``name``, `` {"``, `` "``) does not fit the construction."""
+    or None if the spec (4+ heads, 2+ key/value heads, even head_dim >= 16, width) or the
+    tokenizer (single-token ``name``, `` {"``, `` "``) does not fit the construction."""
     import torch
 
     flag_ids = [tokenizer.encode(t, add_special_tokens=False) for t in ("name", ' {"', ' "')]
     cfg, hd, r = model.config, spec.head_dim, _RESERVED
-    if (any(len(ids) != 1 for ids in flag_ids) or hd != 16 or cfg.num_hidden_layers < 2
-            or cfg.num_attention_heads < 4 or cfg.num_key_value_heads < 2
-            or cfg.hidden_size < r + hd):
+    if (any(len(ids) != 1 for ids in flag_ids) or hd < _BASE_HD or hd % 2
+            or cfg.num_hidden_layers < 2 or cfg.num_attention_heads < 4
+            or cfg.num_key_value_heads < 2 or cfg.hidden_size < r + _BASE_HD):
         return None
     theta = [spec.rope_theta ** (-2 * i / hd) for i in range(hd // 2)]
+    gain = (_BASE_HD / hd) ** 0.25  # keeps the seeded scores those of a 16-dim head
+    dim = [_rope_dim(d, hd) for d in range(_BASE_HD)]  # 16-dim construction -> this head
     gen = torch.Generator().manual_seed(spec.seed + 7)
     emb, a0, a1 = model.model.embed_tokens.weight, model.model.layers[0].self_attn, \
         model.model.layers[1].self_attn
@@ -357,8 +382,8 @@ def seed_copy_circuit(model: Any, tokenizer: Any, spec: TinyModelSpec) -> dict[A
     with torch.no_grad():
         emb[:, :r] = 0
         emb[:, 0] = 0.02
-        for dim, ids in enumerate(flag_ids, start=1):
-            emb[ids[0], dim] = 0.1
+        for flag, ids in enumerate(flag_ids, start=1):
+            emb[ids[0], flag] = 0.1
         freeze(emb)[:, :r] = 0
         for layer in model.model.layers:
             layer.mlp.down_proj.weight[:r] = 0
@@ -373,7 +398,8 @@ def seed_copy_circuit(model: Any, tokenizer: Any, spec: TinyModelSpec) -> dict[A
         a0.o_proj.weight[:r] = 0
         freeze(a0.o_proj.weight)[:r] = 0
         for kv in range(cfg.num_key_value_heads):
-            a0.k_proj.weight[kv * hd: kv * hd + 4, 0] = 1.0
+            for i in range(4):
+                a0.k_proj.weight[kv * hd + dim[i], 0] = 1.0
             a0.v_proj.weight[kv * hd: kv * hd + 3] = 0
             for row in range(3):
                 a0.v_proj.weight[kv * hd + row, 1 + row] = 1.0
@@ -381,8 +407,8 @@ def seed_copy_circuit(model: Any, tokenizer: Any, spec: TinyModelSpec) -> dict[A
         for h in range(4):
             d = 2 + h
             for i in range(4):
-                a0.q_proj.weight[h * hd + i, 0] = math.cos(d * theta[i])
-                a0.q_proj.weight[h * hd + i + hd // 2, 0] = -math.sin(d * theta[i])
+                a0.q_proj.weight[h * hd + dim[i], 0] = math.cos(d * theta[dim[i]])
+                a0.q_proj.weight[h * hd + dim[i + 8], 0] = -math.sin(d * theta[dim[i]])
             a0.o_proj.weight[:, h * hd: h * hd + 3] = 0
             a0.o_proj.weight[_N[d], h * hd] = 0.01
             if d in _B:
@@ -397,21 +423,22 @@ def seed_copy_circuit(model: Any, tokenizer: Any, spec: TinyModelSpec) -> dict[A
                                                generator=gen))
         for w in (a1.q_proj.weight, a1.k_proj.weight, a1.v_proj.weight):
             w[:hd] = 0  # query head 0 and key/value head 0
-        for q_feat, k_feat, dim in pairs:
-            a1.q_proj.weight[dim, q_feat] = 1.0
-            a1.k_proj.weight[dim, k_feat] = 1.0
-        a1.q_proj.weight[3, 0] = -1.0  # RoPE phase pi on the constant: older keys score higher
-        a1.k_proj.weight[3, 0] = 1.0
-        a1.v_proj.weight[:hd, r:] = ortho[:hd]
+        for q_feat, k_feat, d in pairs:
+            a1.q_proj.weight[dim[d], q_feat] = 1.0
+            a1.k_proj.weight[dim[d], k_feat] = 1.0
+        a1.q_proj.weight[dim[3], 0] = -1.0  # RoPE phase pi on the constant: older keys first
+        a1.k_proj.weight[dim[3], 0] = 1.0
+        a1.v_proj.weight[:_BASE_HD, r:] = ortho[:_BASE_HD]
         a1.o_proj.weight[:, :hd] = 0
-        a1.o_proj.weight[r:, :hd] = 1.5 * ortho[:hd].T  # the copy's strength
+        a1.o_proj.weight[r:, :_BASE_HD] = 1.5 * ortho[:_BASE_HD].T  # the copy's strength
         freeze(a1.q_proj.weight)[:hd] = 0
         freeze(a1.k_proj.weight)[:hd] = 0
         freeze(a1.o_proj.weight)[:r] = 0
         # Sharp softmax on the seeded dims (QK-norm would otherwise cap the scores).
-        for attn, dims in ((a0, [0, 1, 2, 3, 8, 9, 10, 11]), (a1, [3, 5, 6, 7, 12, 14, 15])):
+        for attn, dims, sharp in ((a0, [0, 1, 2, 3, 8, 9, 10, 11], 4.2),
+                                  (a1, [3, 5, 6, 7, 12, 14, 15], 4.0)):
             for norm in (attn.q_norm.weight, attn.k_norm.weight):
                 norm.fill_(1.0)
-                norm[dims] = 4.2 if attn is a0 else 4.0
+                norm[[dim[d] for d in dims]] = sharp * gain
                 freeze(norm)[...] = 0
     return keep

@@ -177,8 +177,26 @@ def test_ray_free_cores_import_no_ray(core):
                     parent = parent.rpartition(".")[0]
 
 
-def test_the_checker_sees_an_upward_import(tmp_path):
-    """The rules are not vacuous: the checker finds a known import of each kind."""
-    assert ("clawray.weights.control", True) in {(t, top) for t, _, top in
-                                                 imports("clawray.weights.receiver")}
-    assert layer("clawray.apps.cli") > layer("clawray.serve.app") > layer("clawray.envs.base")
+def test_each_rule_fails_on_a_module_that_breaks_it(tmp_path, monkeypatch):
+    """The rules are not vacuous: planted modules that break them make each check fail."""
+    planted = {
+        "clawray.envs._up": "from clawray.serve.app import build_app\n",  # up, into serve
+        "clawray.sessions._cmd": "from clawray.apps.cli import main\n",  # a command
+        "clawray.judging._a": "import clawray.judging._b\n",  # a circle a -> b -> a
+        "clawray.judging._b": "def f():\n    from clawray.judging import _a\n",
+        "clawray.buffer._ray": "import ray\n",  # Ray, reached from a Ray-free core
+    }
+    for name, text in planted.items():
+        path = tmp_path / f"{name}.py"
+        path.write_text(text)
+        monkeypatch.setitem(MODULES, name, path)
+    checks = [test_no_import_runs_up_a_layer, test_no_library_module_imports_a_command,
+              test_domain_packages_import_nothing_from_serve, test_the_import_graph_has_no_circle]
+    for check in checks:
+        with pytest.raises(AssertionError):
+            check()
+    core = tmp_path / "core.py"
+    core.write_text("from clawray.buffer import _ray\n")
+    monkeypatch.setitem(MODULES, "clawray.buffer._core", core)
+    with pytest.raises(AssertionError, match="reaches Ray"):
+        test_ray_free_cores_import_no_ray("clawray.buffer._core")

@@ -26,7 +26,7 @@ default policy model the first time one is needed:
    ``CALL_TOOL``, answers ``<tool_call>\n{"name": "<first tool>", "arguments": {}}\n</tool_call>``
    then ``<|im_end|>``. That makes every serving path (text, streaming, tool calls, multi-turn)
    exercisable with a model that loads in milliseconds; RL starts from it. Limits (measured on
-   300 fresh imprint-style chats): plain replies are right ~99% of the time; CALL_TOOL answers
+   300 fresh imprint-style chats by ``scripts/tiny_model_behaviour.py``): plain replies are right ~99% of the time; CALL_TOOL answers
    are a well-formed single call ~98% of the time but name the first tool only ~55% (1-3
    token names; longer names fail); on the 60,000-character OpenClaw prompts the model answers
    with text, not reliably a call.

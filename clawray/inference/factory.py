@@ -28,15 +28,19 @@ def make_engine(model: ModelConfig, inference: InferenceConfig, info: "ModelInfo
     if inference.engine == "vllm":
         from clawray.inference.vllm_engine import VLLMEngine
 
+        kv_bytes = None if inference.kv_cache_gib is None else int(inference.kv_cache_gib * 2**30)
         return VLLMEngine.from_config(
             str(info.path),
             max_model_len=max_len,
             gpu_memory_utilization=inference.gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_bytes,
             tensor_parallel_size=inference.tensor_parallel_size,
             dtype=model.dtype,
             seed=model.seed,
             enforce_eager=inference.enforce_eager,
             max_num_seqs=inference.max_running,
+            max_waiting=inference.max_waiting,
+            enable_prefix_caching=inference.enable_prefix_caching,
         )
     if inference.engine == "fixed_latency":
         from clawray.inference.fixed_latency import FixedLatencyEngine

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from clawray.inference.engine import EngineError, EngineOverloaded, SamplingParams, TokenDelta
-from clawray.inference.kv_cache import KV, PaddedBatch, cache_tensors, make_cache
+from clawray.inference.kv_cache import KV, PaddedBatch, cache_keyword, cache_tensors, make_cache
 from clawray.inference.sampling import RowSampling, StopMatcher, make_generator, sample_rows
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class Scheduler:
         policy_version: int,
     ) -> None:
         self.model = model
+        self._cache_kw = cache_keyword(model)
         self.device = device
         self.eos_ids = eos_ids
         self.decode = decode
@@ -309,7 +310,8 @@ class Scheduler:
         keep = end - max(start, req.score_from - 1) if scoring else 1
         cache = make_cache(req.kv)
         inputs = torch.tensor([req.ids[start:end]], device=self.device)
-        out = self.model(input_ids=inputs, cache=cache, use_cache=True, logits_to_keep=max(keep, 1))
+        out = self.model(input_ids=inputs, **{self._cache_kw: cache}, use_cache=True,
+                         logits_to_keep=max(keep, 1))
         req.kv, req.prefill_pos = cache_tensors(cache), end
         if scoring and keep > 0:
             logp = torch.log_softmax(out.logits[0].float(), dim=-1)
@@ -381,12 +383,12 @@ class Scheduler:
         self._batch, self._batch_seqs = None, []  # a failed forward may leave it half-updated
         if len(batch) == 1:
             cache = make_cache(batch[0].kv)
-            out = self.model(input_ids=inputs, cache=cache, use_cache=True)
+            out = self.model(input_ids=inputs, **{self._cache_kw: cache}, use_cache=True)
             return out.logits[:, -1], [cache_tensors(cache)]
         if padded is None:
             padded = PaddedBatch.stack([s.kv for s in batch], self.device)  # type: ignore[misc]
         out = self.model(
-            input_ids=inputs, cache=padded.cache, attention_mask=padded.mask,
+            input_ids=inputs, **{self._cache_kw: padded.cache}, attention_mask=padded.mask,
             position_ids=padded.positions, use_cache=True,
         )
         self._batch, self._batch_seqs = padded, batch

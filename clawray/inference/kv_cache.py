@@ -10,6 +10,7 @@ padded batch is reused from step to step instead of being rebuilt.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,13 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The name of the cache argument of ``model.forward``: transformers 5.20 renamed
+    ``past_key_values`` to ``cache`` (vLLM's CPU build pins transformers below 5.20)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def make_cache(kv: KV | None) -> DynamicCache:

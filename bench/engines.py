@@ -1,0 +1,369 @@
+"""Engines side by side on the embedded model: clawray over the transformers engine, clawray
+over vLLM, and what a user would run instead on the same model and requests: vLLM's own
+OpenAI server (``vllm serve``) and Ray Serve LLM (``ray.serve.llm``).
+
+```bash
+.venv/bin/python bench/engines.py                      # everything, ~15 min on 2 cores
+.venv/bin/python bench/engines.py --setups clawray-vllm,vllm-serve --concurrency 1,8
+.venv/bin/python bench/engines.py --quick              # smoke run
+```
+
+Two scenarios, every response streamed and checked:
+
+- ``agent``: a short agent turn (``bench/_bodies.py``: ~1.5 KB system prompt, two tools,
+  ``tool_choice: auto``), greedy, 16 new tokens at most, in a closed loop at each concurrency
+  (default 1, 8, 32): requests/s, latency and time to first token (the first chunk that carries
+  content, a tool call or a finish reason; a bare role chunk does not count).
+- ``openclaw-session``: OpenClaw's captured session ``s1`` (``tests/fixtures/openclaw``:
+  ``session_s1_t1``, ``t2``, ``t3_req1``, ``t3_req2``, 17.6k-18.0k prompt tokens each, each a
+  prefix of the next plus the new turn) replayed in order as one streamed session, one request
+  at a time: TTFT of each, and the prompt tokens the server says it served from cache.
+
+Every setup is started fresh, alone on the machine, measured and stopped before the next.
+clawray serves with records on (``record_sink: jsonl``): it records every turn while being
+measured; the others record nothing. All vLLM setups get the same engine settings
+(``VLLM_ARGS``). Writes ``bench/results/engines.json`` and ``bench/results/engines.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bodies import agent_turn, fixtures_dir  # noqa: E402
+from _report import machine_info  # noqa: E402
+from _servers import BENCH, Servers, free_port, spawn, start_ray, stop  # noqa: E402
+
+SERVED_NAME = "clawray-tiny"
+MAX_MODEL_LEN = 32768
+MAX_SEQS = 32
+SESSION = ["session_s1_t1", "session_s1_t2", "session_s1_t3_req1", "session_s1_t3_req2"]
+SETUPS = ["clawray-hf", "clawray-vllm", "vllm-serve", "ray-serve-llm"]
+# One engine configuration for every vLLM setup (clawray's CPU defaults, vllm_engine.py).
+VLLM_ARGS = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "enforce_eager": True,
+             "enable_chunked_prefill": False, "max_num_batched_tokens": MAX_MODEL_LEN,
+             "kv_cache_memory_bytes": 1 << 30, "max_num_seqs": MAX_SEQS,
+             "enable_prefix_caching": True}
+
+
+# ------------------------------------------------------------------------------ servers
+
+
+def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
+    """Start one setup; return its processes and the base URL of its OpenAI API."""
+    if name.startswith("clawray-"):
+        engine = name.removeprefix("clawray-")
+        config = {"model": {"path": model},
+                  "inference": {"engine": engine, "max_running": MAX_SEQS, "kv_cache_gib": 1.0},
+                  "serving": {"layout": "colocated", "record_sink": ["jsonl"],
+                              "records_path": str(logdir / f"{name}-turns.jsonl"),
+                              "max_tokens_limit": 4096}}
+        servers = start_ray(name, {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}, config, logdir)
+        return servers, servers.urls.get("direct", servers.urls["proxy"])
+    log = logdir / f"{name}.log"
+    port = free_port()
+    if name == "vllm-serve":
+        flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
+                 for k, v in VLLM_ARGS.items() if v is not False]
+        flags.append("--no-enable-chunked-prefill")
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+               "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+               "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+               "--disable-log-stats", *flags]
+        proc = spawn(cmd, log)
+        servers = Servers([proc])
+        url = f"http://127.0.0.1:{port}"
+        wait_models(url, proc, 600, log, servers)
+        return servers, url
+    if name == "ray-serve-llm":
+        kwargs = {k: v for k, v in VLLM_ARGS.items()}
+        kwargs.update(enable_auto_tool_choice=True, tool_call_parser="hermes")
+        cmd = [sys.executable, str(BENCH / "_serve_llm_server.py"), "--port", str(port),
+               "--model", model, "--served-name", SERVED_NAME,
+               "--engine-kwargs", json.dumps(kwargs)]
+        proc = spawn(cmd, log, {"RAY_SERVE_LOG_TO_STDERR": "0"}, stdin=subprocess.PIPE)
+        servers = Servers([proc])
+        line = proc.stdout.readline() if proc.stdout else b""
+        if not line:
+            stop(servers)
+            raise RuntimeError(f"ray-serve-llm exited before serving; see {log}")
+        url = json.loads(line)["url"]
+        wait_models(url, proc, 60, log, servers)
+        return servers, url
+    raise SystemExit(f"unknown setup {name!r}: use {', '.join(SETUPS)}")
+
+
+def wait_models(url: str, proc: subprocess.Popen, timeout_s: float, log: Path,
+                servers: Servers) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            stop(servers)
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop(servers)
+    raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s; see {log}")
+
+
+# ------------------------------------------------------------------------------ client
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any]
+                     ) -> dict[str, Any]:
+    """One streamed request: latency, TTFT, usage; raises on any failure."""
+    t0 = time.perf_counter()
+    ttft = None
+    usage = None
+    finished = False
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                finished = True
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"in-band error: {chunk['error']}")
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                if ttft is None and (delta.get("content") or delta.get("tool_calls")
+                                     or choice.get("finish_reason")):
+                    ttft = time.perf_counter() - t0
+    if not finished or ttft is None:
+        raise RuntimeError("the stream ended without [DONE] or without any token")
+    return {"latency_s": time.perf_counter() - t0, "ttft_s": ttft, "usage": usage}
+
+
+async def closed_loop(url: str, body: dict[str, Any], concurrency: int, warmup: int,
+                      requests: int, max_s: float) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        results: list[dict[str, Any]] = []
+        errors: list[str] = []
+
+        async def phase(total: int, record: bool) -> None:
+            left = [total]
+            stop_at = time.perf_counter() + max_s if record else float("inf")
+
+            async def worker() -> None:
+                while left[0] > 0 and time.perf_counter() < stop_at:
+                    left[0] -= 1
+                    try:
+                        res = await stream_one(client, url, body)
+                    except Exception as e:  # counted, never timed
+                        errors.append(f"{type(e).__name__}: {e}")
+                        continue
+                    if record:
+                        results.append(res)
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+        await phase(warmup, False)
+        warm_errors, errors[:] = len(errors), []
+        t0 = time.perf_counter()
+        await phase(requests, True)
+        wall = time.perf_counter() - t0
+    lat = [r["latency_s"] for r in results]
+    ttft = [r["ttft_s"] for r in results]
+    return {"concurrency": concurrency, "requests": len(results), "errors": len(errors),
+            "warmup_errors": warm_errors, "error_sample": errors[0] if errors else None,
+            "req_per_s": len(results) / wall if wall else 0.0,
+            "p50_ms": pct(lat, 50) * 1e3, "p99_ms": pct(lat, 99) * 1e3,
+            "ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p99_ms": pct(ttft, 99) * 1e3}
+
+
+def pct(xs: list[float], q: int) -> float:
+    if not xs:
+        return float("nan")
+    if len(xs) == 1:
+        return xs[0]
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
+
+
+async def session(url: str, max_tokens: int) -> list[dict[str, Any]]:
+    """The OpenClaw session, request after request, as the agent sends it."""
+    out = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        for name in SESSION:
+            body = json.loads((fixtures_dir() / f"{name}.json").read_text())["body"]
+            body = {**body, "model": SERVED_NAME, "max_completion_tokens": max_tokens,
+                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            res = await stream_one(client, url, body)
+            usage = res["usage"] or {}
+            out.append({"request": name, "ttft_ms": res["ttft_s"] * 1e3,
+                        "latency_ms": res["latency_s"] * 1e3,
+                        "prompt_tokens": usage.get("prompt_tokens"),
+                        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get(
+                            "cached_tokens")})
+    return out
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def print_report(report: dict[str, Any]) -> None:
+    levels = report["settings"]["concurrency"]
+    print(f"\n== agent turn, streamed, greedy, <= {report['settings']['max_tokens']} tokens ==")
+    head = " | ".join(f"{'req/s':>6} {'p50':>6} {'ttft50':>6} @{c:<3}" for c in levels)
+    print(f"{'setup':<15}| {head}")
+    for name, res in report["setups"].items():
+        if "error" in res:
+            print(f"{name:<15}| failed: {res['error']}")
+            continue
+        cells = {c["concurrency"]: c for c in res["agent"]}
+        row = " | ".join(
+            f"{cells[c]['req_per_s']:6.1f} {cells[c]['p50_ms']:6.0f} {cells[c]['ttft_p50_ms']:6.0f}"
+            f"{'!' if cells[c]['errors'] else ' '}   " if c in cells else " " * 24
+            for c in levels)
+        print(f"{name:<15}| {row}")
+    print("\n== OpenClaw session s1 (4 streamed requests): TTFT ms (cached prompt tokens) ==")
+    for name, res in report["setups"].items():
+        if "session" in res:
+            cells = "  ".join(f"{r['ttft_ms']:7.0f} ({r['cached_tokens'] or 0:>5})"
+                              for r in res["session"])
+            later = statistics.median(r["ttft_ms"] for r in res["session"][1:])
+            print(f"{name:<15} {cells}   later/first {later / res['session'][0]['ttft_ms']:.3f}")
+    base = report["setups"].get("clawray-vllm", {})
+    for other in ("vllm-serve", "ray-serve-llm"):
+        res = report["setups"].get(other, {})
+        if "agent" not in res or "agent" not in base:
+            continue
+        b = {c["concurrency"]: c for c in base["agent"]}
+        o = {c["concurrency"]: c for c in res["agent"]}
+        ratios = "  ".join(f"req/s x{b[c]['req_per_s'] / o[c]['req_per_s']:.2f} @{c}"
+                           for c in levels if c in b and c in o and o[c]["req_per_s"])
+        dt = (b[levels[0]]["ttft_p50_ms"] - o[levels[0]]["ttft_p50_ms"]
+              if levels[0] in b and levels[0] in o else float("nan"))
+        print(f"clawray-vllm vs {other}: {ratios}  ttft p50 {dt:+.1f} ms @{levels[0]}")
+
+
+def save_plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for name, res in report["setups"].items():
+        if "agent" in res:
+            cs = [c["concurrency"] for c in res["agent"]]
+            axes[0].plot(cs, [c["req_per_s"] for c in res["agent"]], "o-", label=name)
+            axes[1].plot(cs, [c["ttft_p50_ms"] for c in res["agent"]], "o-", label=name)
+        if "session" in res:
+            axes[2].plot(range(1, len(res["session"]) + 1),
+                         [r["ttft_ms"] for r in res["session"]], "o-", label=name)
+    axes[0].set(xscale="log", xlabel="concurrency", ylabel="requests/s", title="agent turn")
+    axes[1].set(xscale="log", yscale="log", xlabel="concurrency", ylabel="TTFT p50 (ms)",
+                title="agent turn")
+    axes[2].set(yscale="log", xlabel="request of the session", ylabel="TTFT (ms)",
+                title="OpenClaw session s1 (18k-token prompts)", xticks=[1, 2, 3, 4])
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from clawray.config import ClawRayConfig
+    from clawray.models.loader import policy_model_info
+
+    model = str(policy_model_info(ClawRayConfig().model(path=args.model)).path)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    body = {**agent_turn(SERVED_NAME, args.max_tokens, stream=True), "temperature": 0}
+    report: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": machine_info(), "model": model,
+        "settings": {"concurrency": levels, "max_tokens": args.max_tokens,
+                     "requests": args.requests, "max_level_s": args.max_level_s,
+                     "vllm_args": VLLM_ARGS},
+        "setups": {},
+    }
+    logdir = Path(tempfile.mkdtemp(prefix="clawray-bench-engines-"))
+    print(f"logs: {logdir}", flush=True)
+    for name in args.setups.split(","):
+        print(f"[{name}] starting", flush=True)
+        started = time.perf_counter()
+        try:
+            servers, url = start_setup(name, model, logdir)
+        except Exception as e:  # reported, the other setups still run
+            print(f"[{name}] failed to start: {e}", flush=True)
+            report["setups"][name] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        res: dict[str, Any] = {"start_s": time.perf_counter() - started, "url": url}
+        print(f"[{name}] serving after {res['start_s']:.0f} s", flush=True)
+        try:
+            res["session"] = asyncio.run(session(url, args.max_tokens))
+            print(f"[{name}] session TTFT ms: "
+                  f"{[round(r['ttft_ms']) for r in res['session']]}", flush=True)
+            res["agent"] = []
+            for c in levels:
+                n = max(args.requests, 10 * c)
+                cell = asyncio.run(closed_loop(url, body, c, warmup=4 + c, requests=n,
+                                               max_s=args.max_level_s))
+                res["agent"].append(cell)
+                print(f"[{name}] c={c}: {cell['req_per_s']:.1f} req/s, p50 "
+                      f"{cell['p50_ms']:.0f} ms, TTFT p50 {cell['ttft_p50_ms']:.0f} ms, "
+                      f"{cell['errors']} errors", flush=True)
+        except Exception as e:
+            print(f"[{name}] failed: {e}", flush=True)
+            res["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            stop(servers)
+        report["setups"][name] = res
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--setups", default=",".join(SETUPS))
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--requests", type=int, default=60, help="timed requests per level (>= 10c)")
+    p.add_argument("--max-level-s", type=float, default=30.0)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--model", default="embedded:tiny")
+    p.add_argument("--quick", action="store_true", help="c=1,8 and 20 requests")
+    p.add_argument("--out", default=str(BENCH / "results" / "engines.json"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.requests, args.max_level_s = "1,8", 20, 10.0
+    report = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print_report(report)
+    save_plot(report, out.with_suffix(".png"))
+    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

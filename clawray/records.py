@@ -50,6 +50,9 @@ class TurnRecord:
     finished_at: float = 0.0
     started_at: float = 0.0  # when the request arrived (precise; created_at is whole seconds)
     retry: bool = False  # the client marked it a retry (x-stainless-retry-count > 0)
+    # The policy version that sampled each response token (None in records written before
+    # per-token versions: every token is then on policy_version).
+    response_versions: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

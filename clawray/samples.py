@@ -50,6 +50,7 @@ SCHEMA = pa.schema(
         pa.field("rollout_logprobs", pa.list_(pa.float32()), nullable=False),
         pa.field("policy_version", pa.int64(), nullable=False),
         pa.field("policy_version_end", pa.int64()),
+        pa.field("token_versions", pa.list_(pa.int64())),  # the version of each response token
         # masks
         pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
         # rewards
@@ -77,7 +78,7 @@ SCHEMA = pa.schema(
 COLUMNS: tuple[str, ...] = tuple(SCHEMA.names)
 REQUIRED: frozenset[str] = frozenset(f.name for f in SCHEMA if not f.nullable)
 # List columns that must hold one value per response token when present.
-PER_TOKEN = ("rollout_logprobs", "loss_mask", "advantages", "teacher_logprobs")
+PER_TOKEN = ("rollout_logprobs", "loss_mask", "advantages", "teacher_logprobs", "token_versions")
 _FLOAT_LISTS = ("rollout_logprobs", "teacher_logprobs", "advantages")
 _TERNARY = ("votes", "outcome")  # values in {-1, 0, 1}
 

@@ -61,6 +61,7 @@ class StepRecord:
     text: str
     valid: bool
     progress: bool
+    token_versions: list[int] | None = None  # the policy version of each response token
 
 
 @dataclasses.dataclass
@@ -136,7 +137,7 @@ async def play_episode(family: TaskFamily, task: Task, generate: Generate, token
         result = env.step(action)
         steps.append(StepRecord(prompt, list(out.token_ids), list(out.logprobs),
                                 out.policy_version, out.policy_version_end, out.finish_reason,
-                                text, result.valid, result.progress))
+                                text, result.valid, result.progress, out.versions()))
         messages = messages + [action.message()] + result.messages
         if result.done:
             ended = "done" if result.success else str(result.info.get("ended", "budget"))
@@ -185,7 +186,7 @@ def group_rows(episodes: Sequence[Episode], zero_advantage: str = "keep_masked",
                 trajectory_id=ep.trajectory_id, task_id=ep.task.task_id, step=i,
                 prompt_ids=st.prompt_ids, response_ids=st.response_ids,
                 rollout_logprobs=st.logprobs, policy_version=st.policy_version,
-                policy_version_end=st.policy_version_end,
+                policy_version_end=st.policy_version_end, token_versions=st.token_versions,
                 loss_mask=[1 if adv != 0 else 0] * len(st.response_ids),
                 reward=ep.reward, outcome=outcome, advantage=float(adv),
                 finish_reason=st.finish_reason, created_at=now))

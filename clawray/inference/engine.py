@@ -56,6 +56,15 @@ class TokenOutput:
     index: int = 0
     # Prompt tokens served from the engine's prefix cache (None: the engine has no such cache).
     cached_tokens: int | None = None
+    # The policy version that sampled each token (one per id): a completion that spans a
+    # weight swap is described exactly. None: every token is on ``policy_version``.
+    token_versions: list[int] | None = None
+
+    def versions(self) -> list[int]:
+        """One policy version per token id."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.policy_version] * len(self.token_ids)
 
 
 @dataclasses.dataclass
@@ -75,6 +84,14 @@ class TokenDelta:
     policy_version_end: int | None = None
     # On the first delta of a completion: prompt tokens served from the prefix cache.
     cached_tokens: int | None = None
+    # The policy version that sampled each of ``token_ids`` (None: all on policy_version).
+    token_versions: list[int] | None = None
+
+    def versions(self) -> list[int]:
+        """One policy version per token id."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.policy_version] * len(self.token_ids)
 
 
 @dataclasses.dataclass

@@ -211,12 +211,14 @@ class HFEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[TokenOutput]:
         """Sample ``params.n`` completions; cancelling the awaiting task aborts them."""
-        outputs = [TokenOutput([], [], "abort", -1, index=i) for i in range(params.n)]
+        outputs = [TokenOutput([], [], "abort", -1, index=i, token_versions=[])
+                   for i in range(params.n)]
         async with contextlib.aclosing(self.generate_stream(prompt_ids, params)) as stream:
             async for delta in stream:
                 out = outputs[delta.index]
                 out.token_ids.extend(delta.token_ids)
                 out.logprobs.extend(delta.logprobs)
+                out.token_versions.extend(delta.versions())  # type: ignore[union-attr]
                 out.policy_version = delta.policy_version
                 if delta.finish_reason is not None:
                     out.finish_reason = delta.finish_reason

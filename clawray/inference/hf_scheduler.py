@@ -397,7 +397,8 @@ class Scheduler:
     def _accept(self, seq: Sequence, token: int, logprob: float) -> TokenDelta:
         """Record a sampled token and decide whether its completion is finished."""
         req = seq.req
-        delta = TokenDelta([token], [logprob], req.policy_version, index=seq.index)
+        delta = TokenDelta([token], [logprob], req.policy_version, index=seq.index,
+                           token_versions=[self.policy_version])
         if req.done:  # failed earlier in this step; its consumer already has the error
             return delta
         seq.token_ids.append(token)

@@ -246,23 +246,6 @@ def response_prompt_logprobs(
     ]
 
 
-def completion_to_output(completion: Any, *, version_start: int, version_now: int) -> TokenOutput:
-    """A finished vLLM ``CompletionOutput`` as a TokenOutput, stamped with policy versions."""
-    finish = map_finish_reason(completion.finish_reason)
-    if finish is None:
-        raise EngineError("vLLM returned a completion that has not finished")
-    token_ids = list(completion.token_ids)
-    return TokenOutput(
-        token_ids=token_ids,
-        logprobs=sampled_logprobs(token_ids, completion.logprobs),
-        finish_reason=finish,
-        policy_version=version_start,
-        policy_version_end=version_now if version_now != version_start else None,
-        stop_string=stop_string_of(completion.stop_reason),
-        index=completion.index,
-    )
-
-
 def completion_to_delta(completion: Any, *, version_start: int, version_now: int) -> TokenDelta:
     """A DELTA-mode vLLM ``CompletionOutput`` (new ids only) as a TokenDelta.
 
@@ -388,31 +371,35 @@ class VLLMEngine:
         return self._policy_version
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[TokenOutput]:
-        check_prompt_fits(len(prompt_ids), self.max_model_len)
-        vllm_params = self._sampling_cls(**sampling_kwargs(params),
-                                         output_kind=self._kind.FINAL_ONLY)
-        version = await self._admit()
-        final = None
-        async with aclosing(self._request(list(prompt_ids), vllm_params)) as outputs:
-            async for final in outputs:
-                pass
-        if final is None or not final.finished:
+        """Sample ``params.n`` completions (gathered from the stream, so that every token
+        keeps the policy version it was sampled under)."""
+        outputs = [TokenOutput([], [], "abort", -1, index=i, token_versions=[])
+                   for i in range(params.n)]
+        async with aclosing(self.generate_stream(prompt_ids, params)) as stream:
+            async for delta in stream:
+                out = outputs[delta.index]
+                out.token_ids.extend(delta.token_ids)
+                out.logprobs.extend(delta.logprobs)
+                out.token_versions.extend(delta.versions())  # type: ignore[union-attr]
+                out.policy_version = delta.policy_version
+                if delta.cached_tokens is not None:
+                    out.cached_tokens = delta.cached_tokens
+                if delta.finish_reason is not None:
+                    out.finish_reason = delta.finish_reason
+                    out.stop_string = delta.stop_string
+                    out.policy_version_end = delta.policy_version_end
+        if any(o.policy_version < 0 for o in outputs):
             raise EngineError("vLLM ended a request without its final output")
-        cached = self._count_cached(final, len(prompt_ids))
-        outs = [
-            completion_to_output(c, version_start=version, version_now=self._policy_version)
-            for c in sorted(final.outputs, key=lambda c: c.index)
-        ]
-        for out in outs:
-            out.cached_tokens = cached
-        return outs
+        return outputs
 
     async def generate_stream(
         self, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenDelta]:
         """Yield new ids as vLLM samples them (DELTA outputs); closing the iterator aborts.
 
-        The first delta of each completion carries ``cached_tokens``.
+        The first delta of each completion carries ``cached_tokens``. Each token is stamped
+        with the version in force when its output arrived: a swap pauses the engine first, so
+        tokens sampled before it have arrived by the time the new version is adopted.
         """
         check_prompt_fits(len(prompt_ids), self.max_model_len)
         vllm_params = self._sampling_cls(**sampling_kwargs(params), output_kind=self._kind.DELTA)
@@ -428,6 +415,7 @@ class VLLMEngine:
                         completion, version_start=version, version_now=self._policy_version
                     )
                     if delta.token_ids or delta.finish_reason is not None:
+                        delta.token_versions = [self._policy_version] * len(delta.token_ids)
                         if delta.index not in first:
                             first.add(delta.index)
                             delta.cached_tokens = cached

@@ -150,7 +150,7 @@ def task_result(episodes: Sequence[Episode], scored: Sequence[Sequence[ScoredSte
                 trajectory_id=ep.trajectory_id, task_id=ep.task.task_id, step=i,
                 prompt_ids=st.prompt_ids, response_ids=st.response_ids,
                 rollout_logprobs=st.logprobs, policy_version=st.policy_version,
-                policy_version_end=st.policy_version_end,
+                policy_version_end=st.policy_version_end, token_versions=st.token_versions,
                 loss_mask=[1] * len(st.response_ids), reward=float(rewards[k][i]),
                 outcome=outcomes[k], advantage=float(advantages[k][i]),
                 finish_reason=st.finish_reason, created_at=now))

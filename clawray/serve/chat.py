@@ -171,7 +171,8 @@ class ChatService:
                             "logprobs": None})
             completion_tokens += len(out.token_ids)
             self._record(turn, out.index, out.token_ids, out.logprobs, finish, out.policy_version,
-                         out.policy_version_end, content, message.get("tool_calls", []))
+                         out.policy_version_end, content, message.get("tool_calls", []),
+                         out.versions())
         version = max((o.policy_version_end or o.policy_version) for o in outputs)
         return {
             "id": turn.request_id,
@@ -216,7 +217,8 @@ class ChatService:
                         yield _sse(self._chunk(turn, delta.index, piece, None, version))
                     yield _sse(self._chunk(turn, delta.index, {}, st.finish_reason, version))
                     self._record(turn, delta.index, st.ids, st.logprobs, st.finish_reason,
-                                 st.version_start, st.version_end, st.content or None, st.calls)
+                                 st.version_start, st.version_end, st.content or None, st.calls,
+                                 st.versions)
             if turn.include_usage:
                 yield _sse({"id": turn.request_id, "object": "chat.completion.chunk",
                             "created": turn.created, "model": turn.model, "choices": [],
@@ -231,7 +233,7 @@ class ChatService:
             for i, st in states.items():
                 if st.finish_reason is None and st.ids:  # client went away mid-generation
                     self._record(turn, i, st.ids, st.logprobs, "abort", st.version_start,
-                                 st.version_end, st.content or None, st.calls)
+                                 st.version_end, st.content or None, st.calls, st.versions)
 
     def _chunk(self, turn: PreparedTurn, index: int, delta: dict[str, Any], finish: str | None,
                version: int | None) -> dict[str, Any]:
@@ -256,7 +258,7 @@ class ChatService:
     # ---------------------------------------------------------------- records
     def _record(self, turn: PreparedTurn, index: int, ids: list[int], logprobs: list[float],
                 finish: str, version: int, version_end: int | None, content: str | None,
-                tool_calls: list[dict[str, Any]]) -> None:
+                tool_calls: list[dict[str, Any]], versions: list[int]) -> None:
         record = TurnRecord(
             record_id=turn.request_id if index == 0 else f"{turn.request_id}#{index}",
             session_id=turn.meta.session_id,
@@ -280,6 +282,7 @@ class ChatService:
             finished_at=time.time(),
             started_at=turn.started_at,
             retry=turn.meta.retry,
+            response_versions=list(versions),
         )
         try:
             self.sink.put(record)
@@ -301,18 +304,22 @@ class _ChoiceStream:
         self.calls: list[dict[str, Any]] = []
         self.version_start: int = 0
         self.version_end: int | None = None
+        self.versions: list[int] = []
         self.finish_reason: str | None = None
 
     def add(self, delta: TokenDelta) -> list[dict[str, Any]]:
         if not self.ids:
             self.version_start = delta.policy_version
-        elif delta.policy_version != self.version_start:
-            self.version_end = delta.policy_version
         self.ids += delta.token_ids
         self.logprobs += delta.logprobs
+        self.versions += delta.versions()
+        if self.versions and self.versions[-1] != self.version_start:
+            self.version_end = self.versions[-1]  # kept if the client goes away mid-stream
         return self._emit(self.cutter.feed(self.detok.add(delta.token_ids)), final=False)
 
     def finish(self, delta: TokenDelta) -> list[dict[str, Any]]:
+        if delta.policy_version_end is not None:  # only the final delta carries it
+            self.version_end = delta.policy_version_end
         text = self.cutter.feed(self.detok.finish()) + self.cutter.finish()
         pieces = self._emit(text, final=True)
         self.finish_reason = "tool_calls" if self.calls and delta.finish_reason == "stop" \

@@ -63,6 +63,7 @@ def rows_of(fin: FinishedTurn, kinds: list[str], rules: SessionRules) -> list[di
         "rollout_logprobs": rec.response_logprobs,
         "policy_version": rec.policy_version,
         "policy_version_end": rec.policy_version_end,
+        "token_versions": rec.response_versions,
         "votes": [v for v in (verdict.votes if verdict else []) if v is not None],
         "vote_parse_failures": sum(v is None for v in verdict.votes) if verdict else 0,
         "judge_status": "feedback" if fin.outcome_scope == "turn" else fin.status,

@@ -215,7 +215,11 @@ async def test_new_weights_load_between_steps_and_mark_spanning_requests(
         long = (await spanning)[0]
         assert out.policy_version == 1 and (await engine.status()).policy_version == 1
         assert (long.policy_version, long.policy_version_end) == (0, 1)
-        assert len(long.token_ids) == 1500
+        assert len(long.token_ids) == len(long.token_versions) == 1500
+        # Per-token versions: old weights up to the swap, new weights after it, exactly once.
+        swap = long.token_versions.index(1)
+        assert 0 < swap and long.token_versions == [0] * swap + [1] * (1500 - swap)
+        assert out.token_versions == [1] * len(out.token_ids)
         new_ref = type(reference)(reference.config).eval()
         new_ref.load_state_dict(changed, strict=False)
         new_ref.tie_weights()

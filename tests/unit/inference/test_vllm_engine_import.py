@@ -22,7 +22,6 @@ from clawray.inference.vllm_engine import (
     VLLMEngine,
     VLLMUnavailableError,
     completion_to_delta,
-    completion_to_output,
     engine_args_kwargs,
     installed_vllm,
     map_finish_reason,
@@ -182,25 +181,6 @@ def test_prompt_logprobs_return_the_response_part():
         response_prompt_logprobs(prompt_logprobs[:3], ids, 2)
     with pytest.raises(EngineError, match="at least one prompt token"):
         response_prompt_logprobs(prompt_logprobs, ids, 4)
-
-
-def test_finished_completion_keeps_ids_logprobs_and_stop_string():
-    out = completion_to_output(
-        completion([4, 2], [{4: Logprob(-0.3)}, {2: Logprob(-0.6)}], "stop", "\nUser:", index=1),
-        version_start=7, version_now=7,
-    )
-    assert out.token_ids == [4, 2] and out.logprobs == [-0.3, -0.6]
-    assert out.finish_reason == "stop" and out.stop_string == "\nUser:" and out.index == 1
-    assert out.policy_version == 7 and out.policy_version_end is None
-
-
-def test_completion_spanning_a_weight_swap_records_both_versions():
-    out = completion_to_output(completion([4], [{4: Logprob(-0.3)}], "length"),
-                               version_start=7, version_now=8)
-    assert (out.policy_version, out.policy_version_end) == (7, 8)
-    with pytest.raises(EngineError, match="not finished"):
-        completion_to_output(completion([4], [{4: Logprob(-0.3)}], None),
-                             version_start=7, version_now=7)
 
 
 def test_stream_deltas_carry_new_ids_and_the_final_reason():

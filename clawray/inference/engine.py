@@ -141,6 +141,28 @@ class Engine(Protocol):
     async def shutdown(self) -> None: ...
 
 
+async def gather_outputs(stream: AsyncIterator[TokenDelta], n: int) -> list[TokenOutput]:
+    """The ``n`` finished completions of a ``generate_stream``, every token with its version.
+
+    A completion whose final delta never came stays ``finish_reason="abort"`` with
+    ``policy_version == -1``.
+    """
+    outputs = [TokenOutput([], [], "abort", -1, index=i, token_versions=[]) for i in range(n)]
+    async for delta in stream:
+        out = outputs[delta.index]
+        out.token_ids.extend(delta.token_ids)
+        out.logprobs.extend(delta.logprobs)
+        out.token_versions.extend(delta.versions())  # type: ignore[union-attr]
+        out.policy_version = delta.policy_version
+        if delta.cached_tokens is not None:
+            out.cached_tokens = delta.cached_tokens
+        if delta.finish_reason is not None:
+            out.finish_reason = delta.finish_reason
+            out.stop_string = delta.stop_string
+            out.policy_version_end = delta.policy_version_end
+    return outputs
+
+
 class EngineError(RuntimeError):
     """An engine could not serve a request for a reason the client should see (e.g. length)."""
 

@@ -32,6 +32,7 @@ from clawray.inference.engine import (
     SamplingParams,
     TokenDelta,
     TokenOutput,
+    gather_outputs,
     check_prompt_fits,
 )
 from clawray.inference.hf_scheduler import Emit, Request, Scheduler
@@ -211,20 +212,8 @@ class HFEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[TokenOutput]:
         """Sample ``params.n`` completions; cancelling the awaiting task aborts them."""
-        outputs = [TokenOutput([], [], "abort", -1, index=i, token_versions=[])
-                   for i in range(params.n)]
         async with contextlib.aclosing(self.generate_stream(prompt_ids, params)) as stream:
-            async for delta in stream:
-                out = outputs[delta.index]
-                out.token_ids.extend(delta.token_ids)
-                out.logprobs.extend(delta.logprobs)
-                out.token_versions.extend(delta.versions())  # type: ignore[union-attr]
-                out.policy_version = delta.policy_version
-                if delta.finish_reason is not None:
-                    out.finish_reason = delta.finish_reason
-                    out.stop_string = delta.stop_string
-                    out.policy_version_end = delta.policy_version_end
-        return outputs
+            return await gather_outputs(stream, params.n)
 
     async def generate_stream(
         self, prompt_ids: list[int], params: SamplingParams

@@ -40,6 +40,7 @@ from clawray.inference.engine import (
     SamplingParams,
     TokenDelta,
     TokenOutput,
+    gather_outputs,
     check_prompt_fits,
 )
 
@@ -373,21 +374,8 @@ class VLLMEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[TokenOutput]:
         """Sample ``params.n`` completions (gathered from the stream, so that every token
         keeps the policy version it was sampled under)."""
-        outputs = [TokenOutput([], [], "abort", -1, index=i, token_versions=[])
-                   for i in range(params.n)]
         async with aclosing(self.generate_stream(prompt_ids, params)) as stream:
-            async for delta in stream:
-                out = outputs[delta.index]
-                out.token_ids.extend(delta.token_ids)
-                out.logprobs.extend(delta.logprobs)
-                out.token_versions.extend(delta.versions())  # type: ignore[union-attr]
-                out.policy_version = delta.policy_version
-                if delta.cached_tokens is not None:
-                    out.cached_tokens = delta.cached_tokens
-                if delta.finish_reason is not None:
-                    out.finish_reason = delta.finish_reason
-                    out.stop_string = delta.stop_string
-                    out.policy_version_end = delta.policy_version_end
+            outputs = await gather_outputs(stream, params.n)
         if any(o.policy_version < 0 for o in outputs):
             raise EngineError("vLLM ended a request without its final output")
         return outputs

@@ -4,7 +4,7 @@ version it started on, the version it ended on, and the version of every token."
 from __future__ import annotations
 
 from clawray.config import ServingConfig
-from clawray.inference.engine import SamplingParams, TokenDelta, TokenOutput
+from clawray.inference.engine import TokenDelta, TokenOutput
 from clawray.serve.chat import ChatService
 from clawray.serve.protocol import ChatCompletionRequest
 

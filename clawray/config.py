@@ -57,6 +57,9 @@ class InferenceConfig(_Section):
         "gpu_memory_utilization on GPU).")
     enable_prefix_caching: bool = Field(
         True, description="vLLM reuses the KV of a prompt's known prefix (agent sessions).")
+    max_lora_rank: int = Field(
+        0, ge=0, description="vLLM serves LoRA adapters up to this rank (0: no LoRA); LoRA "
+        "training (training.lora_rank > 0) with vLLM needs it >= the adapters' rank.")
     tensor_parallel_size: int = Field(1, ge=1)
     enforce_eager: bool = False
     # fixed_latency only (benchmarks and protocol tests)
@@ -500,6 +503,11 @@ class ClawRayConfig(_Section):
         """Reject combinations that cannot work, with a message that says what to change."""
         problems: list[str] = []
         m, inf, s = self.model_cfg, self.inference_cfg, self.serving_cfg
+        lora_rank = self.training_cfg.lora_rank
+        if inf.engine == "vllm" and lora_rank > inf.max_lora_rank:
+            problems.append(f"training.lora_rank={lora_rank} needs inference.max_lora_rank >= "
+                            f"{lora_rank} with vLLM (it serves the adapters; now "
+                            f"{inf.max_lora_rank})")
         if inf.engine == "vllm" and m.dtype == "float16" and m.device == "cpu":
             problems.append("vLLM on CPU serves float32 or bfloat16, not model.dtype='float16'")
         if not _is_loopback(s.host) and not s.resolved_api_keys() and not s.allow_remote_without_auth:

@@ -41,6 +41,8 @@ def make_engine(model: ModelConfig, inference: InferenceConfig, info: "ModelInfo
             max_num_seqs=inference.max_running,
             max_waiting=inference.max_waiting,
             enable_prefix_caching=inference.enable_prefix_caching,
+            enable_lora=inference.max_lora_rank > 0,
+            max_lora_rank=max(inference.max_lora_rank, 1),
         )
     if inference.engine == "fixed_latency":
         from clawray.inference.fixed_latency import FixedLatencyEngine

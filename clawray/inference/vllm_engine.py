@@ -267,6 +267,64 @@ def completion_to_delta(completion: Any, *, version_start: int, version_now: int
     )
 
 
+# ---------------------------------------------------------------------------- LoRA
+
+LORA_PAYLOAD_FORMAT = "clawray.lora/1"  # clawray/weights/sync.py's LoRA payload
+
+
+def peft_adapter(payload: Any, shapes: Mapping[str, tuple[list[int], str]]
+                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A clawray LoRA payload as a PEFT adapter (``adapter_config.json`` and the tensors of
+    ``adapter_model.safetensors``), the format vLLM loads LoRA adapters from.
+
+    Each module's ``scaling`` is folded into its B and ranks are zero-padded to the largest,
+    so one ``r == lora_alpha`` serves every module and ``B' @ A'`` equals ``scaling * B @ A``.
+    Every module is checked against the model's weight ``shapes`` first: a bad payload raises
+    EngineError and produces nothing.
+    """
+    if not isinstance(payload, Mapping) or payload.get("format") != LORA_PAYLOAD_FORMAT:
+        raise EngineError(f"not a LoRA payload (expected format {LORA_PAYLOAD_FORMAT!r})")
+    modules = payload.get("modules")
+    if not isinstance(modules, Mapping) or not modules:
+        raise EngineError("the LoRA payload has no modules")
+    problems = []
+    for name, mod in modules.items():
+        a, b = (mod.get("A"), mod.get("B")) if isinstance(mod, Mapping) else (None, None)
+        weight = shapes.get(f"{name}.weight")
+        if weight is None:
+            problems.append(f"{name}: the model has no weight '{name}.weight'")
+        elif not (torch.is_tensor(a) and torch.is_tensor(b) and a.dim() == 2 and b.dim() == 2):
+            problems.append(f"{name}: A and B must be 2-D tensors")
+        elif a.shape[0] != b.shape[1]:
+            problems.append(f"{name}: rank mismatch, A is {tuple(a.shape)}, B is {tuple(b.shape)}")
+        elif mod.get("fan_in_fan_out"):
+            problems.append(f"{name}: fan_in_fan_out adapters cannot be served by vLLM")
+        elif [b.shape[0], a.shape[1]] != list(weight[0]):
+            problems.append(f"{name}: B @ A is {(b.shape[0], a.shape[1])}, the weight is "
+                            f"{tuple(weight[0])}")
+        elif not isinstance(mod.get("scaling"), (int, float)) or not torch.isfinite(
+                torch.tensor(float(mod["scaling"]))):
+            problems.append(f"{name}: scaling must be a finite number")
+    if problems:
+        raise EngineError("bad LoRA payload: " + "; ".join(problems[:5]))
+    rank = max(int(mod["A"].shape[0]) for mod in modules.values())
+    tensors: dict[str, torch.Tensor] = {}
+    for name, mod in modules.items():
+        a = mod["A"].detach().to("cpu", torch.float32)
+        b = mod["B"].detach().to("cpu", torch.float32) * float(mod["scaling"])
+        pad = rank - a.shape[0]
+        if pad:
+            a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
+            b = torch.cat([b, b.new_zeros(b.shape[0], pad)], dim=1)
+        tensors[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
+        tensors[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank,
+              "target_modules": sorted({n.rsplit(".", 1)[-1] for n in modules}),
+              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False, "use_dora": False, "modules_to_save": None}
+    return config, tensors
+
+
 # ---------------------------------------------------------------------------- workers
 
 
@@ -343,6 +401,12 @@ class VLLMEngine:
         self._no_swap = asyncio.Event()  # cleared while weights are being swapped
         self._no_swap.set()
         self._checkpoint = CheckpointFiles(Path(model))
+        lora = getattr(getattr(llm, "vllm_config", None), "lora_config", None)
+        self._max_lora_rank = int(getattr(lora, "max_lora_rank", 0) or 0) if lora else 0
+        self._lora: tuple[int, int, Any] | None = None  # (vLLM id, policy version, LoRARequest)
+        self._lora_users: dict[int, int] = {}  # requests in flight per adapter id
+        self._lora_ids = 0
+        self._lora_root: Path | None = None
 
     @classmethod
     def from_config(
@@ -392,18 +456,19 @@ class VLLMEngine:
         check_prompt_fits(len(prompt_ids), self.max_model_len)
         vllm_params = self._sampling_cls(**sampling_kwargs(params), output_kind=self._kind.DELTA)
         version = await self._admit()
+        # A request keeps the LoRA adapter it started with: it is that policy throughout.
+        lora = self._lora
         first: set[int] = set()
         cached = None
-        async with aclosing(self._request(list(prompt_ids), vllm_params)) as outputs:
+        async with aclosing(self._request(list(prompt_ids), vllm_params, lora)) as outputs:
             async for out in outputs:
                 if cached is None:
                     cached = self._count_cached(out, len(prompt_ids))
                 for completion in out.outputs:
-                    delta = completion_to_delta(
-                        completion, version_start=version, version_now=self._policy_version
-                    )
+                    now = version if lora is not None else self._policy_version
+                    delta = completion_to_delta(completion, version_start=version, version_now=now)
                     if delta.token_ids or delta.finish_reason is not None:
-                        delta.token_versions = [self._policy_version] * len(delta.token_ids)
+                        delta.token_versions = [now] * len(delta.token_ids)
                         if delta.index not in first:
                             first.add(delta.index)
                             delta.cached_tokens = cached
@@ -424,7 +489,7 @@ class VLLMEngine:
                                          output_kind=self._kind.FINAL_ONLY)
         await self._admit()
         final = None
-        async with aclosing(self._request(token_ids, vllm_params)) as outputs:
+        async with aclosing(self._request(token_ids, vllm_params, self._lora)) as outputs:
             async for final in outputs:
                 pass
         if final is None:
@@ -454,6 +519,7 @@ class VLLMEngine:
                     )
                     await self._llm.collective_rpc("clawray_retie_word_embeddings")
                     self._policy_version = policy_version
+                    self._lora = None  # full weights now; adapters retire as requests end
                 except Exception as exc:
                     logger.exception("loading policy version %d into vLLM failed; the weights "
                                      "may be partly updated (still version %d)",
@@ -489,7 +555,8 @@ class VLLMEngine:
             waiting=self._in_flight - running, paused=self._paused,
             extra={"vllm": f"{self._distribution} {self._vllm_version}",
                    "swapping": not self._no_swap.is_set(), "dead": bool(self._llm.errored),
-                   "prompt_tokens": self._prompt_tokens, "cached_tokens": self._cached_tokens},
+                   "prompt_tokens": self._prompt_tokens, "cached_tokens": self._cached_tokens,
+                   "lora": self.lora_status()},
         )
 
     def check_health(self) -> None:
@@ -502,6 +569,8 @@ class VLLMEngine:
             self._closed = True
             self._llm.shutdown()
             self._checkpoint.cleanup()
+            if self._lora_root is not None:
+                shutil.rmtree(self._lora_root, ignore_errors=True)
 
     def _count_cached(self, out: Any, prompt_len: int) -> int:
         cached = int(getattr(out, "num_cached_tokens", 0) or 0)
@@ -522,13 +591,19 @@ class VLLMEngine:
         await self._no_swap.wait()
         return self._policy_version
 
-    async def _request(self, token_ids: list[int], vllm_params: Any) -> AsyncIterator[Any]:
-        """Run one request through ``AsyncLLM.generate``; abort it if the caller goes away."""
+    async def _request(self, token_ids: list[int], vllm_params: Any,
+                       lora: tuple[int, int, Any] | None = None) -> AsyncIterator[Any]:
+        """Run one request through ``AsyncLLM.generate`` (on ``lora``'s adapter, if any);
+        abort it if the caller goes away."""
         request_id = f"clawray-{uuid.uuid4().hex}"
         prompt = self._tokens_prompt(prompt_token_ids=token_ids)
         self._in_flight += 1
+        if lora is not None:
+            self._lora_users[lora[0]] = self._lora_users.get(lora[0], 0) + 1
         try:
-            async with aclosing(self._llm.generate(prompt, vllm_params, request_id)) as stream:
+            async with aclosing(self._llm.generate(
+                    prompt, vllm_params, request_id,
+                    lora_request=lora[2] if lora is not None else None)) as stream:
                 async for out in stream:
                     yield out
         except (asyncio.CancelledError, GeneratorExit):
@@ -542,6 +617,80 @@ class VLLMEngine:
             raise EngineError(f"vLLM failed this request: {exc}") from exc
         finally:
             self._in_flight -= 1
+            if lora is not None:
+                self._lora_users[lora[0]] -= 1
+                await self._retire_lora_if_unused(lora)
+
+    # ---- LoRA ----------------------------------------------------------------------------
+
+    async def load_lora(self, payload: Any, policy_version: int) -> None:
+        """Serve ``policy_version`` as the base weights plus this LoRA payload
+        (``clawray/weights/sync.py``'s format) through vLLM's LoRA support.
+
+        Each version is its own adapter: new requests use it, requests in flight finish on
+        the adapter they started with, and an old adapter is removed from vLLM once no request
+        uses it. Needs an engine started with ``max_lora_rank`` > 0.
+        """
+        if not self._max_lora_rank:
+            raise EngineError("this vLLM engine was started without LoRA support; set "
+                              "inference.max_lora_rank (>= the adapters' rank)")
+        from vllm.lora.request import LoRARequest
+
+        config, tensors = await asyncio.to_thread(peft_adapter, payload,
+                                                  self._checkpoint.shapes())
+        if config["r"] > self._max_lora_rank:
+            raise EngineError(f"the adapter's rank {config['r']} is above this engine's "
+                              f"max_lora_rank {self._max_lora_rank}")
+        if self._lora_root is None:
+            self._lora_root = Path(tempfile.mkdtemp(prefix="clawray-vllm-lora-"))
+        folder = self._lora_root / f"v{policy_version}-{uuid.uuid4().hex[:8]}"
+        await asyncio.to_thread(_write_adapter, folder, config, tensors)
+        self._lora_ids += 1
+        request = LoRARequest(lora_name=f"clawray-v{policy_version}",
+                              lora_int_id=self._lora_ids, lora_path=str(folder))
+        async with self._control:
+            started = time.monotonic()
+            try:
+                if not await self._llm.add_lora(request):
+                    raise EngineError("vLLM refused the LoRA adapter")
+            except EngineError:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            except Exception as exc:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise EngineError(f"vLLM could not load the LoRA adapter: {exc}") from exc
+            old, self._lora = self._lora, (self._lora_ids, policy_version, request)
+            self._policy_version = policy_version
+        logger.info("vLLM serves policy version %d as LoRA adapter %d (rank %d) after %.2fs",
+                    policy_version, self._lora_ids, config["r"], time.monotonic() - started)
+        if old is not None:
+            await self._retire_lora_if_unused(old)
+
+    async def _retire_lora_if_unused(self, lora: tuple[int, int, Any]) -> None:
+        if lora is self._lora or self._lora_users.get(lora[0], 0) > 0:
+            return
+        self._lora_users.pop(lora[0], None)
+        try:
+            await self._llm.remove_lora(lora[0])
+        except Exception:  # noqa: BLE001 - the engine may be shutting down
+            logger.warning("could not remove LoRA adapter %d from vLLM", lora[0], exc_info=True)
+        shutil.rmtree(lora[2].lora_path, ignore_errors=True)
+
+    def lora_status(self) -> dict[str, Any]:
+        """The active adapter and the adapters still in use by requests in flight."""
+        return {"active": None if self._lora is None else {"id": self._lora[0],
+                                                            "version": self._lora[1]},
+                "in_use": {i: n for i, n in self._lora_users.items() if n > 0}}
+
+
+def _write_adapter(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
 
 
 class CheckpointFiles:

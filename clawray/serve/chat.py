@@ -33,6 +33,7 @@ from clawray.serve.protocol import (
     normalize_tools,
 )
 from clawray.serve.session_meta import SessionMeta, session_meta
+from clawray.models.segment_cache import SegmentCache
 from clawray.models.tool_calls import (
     ContentDelta,
     StreamingToolCallParser,
@@ -84,6 +85,10 @@ class ChatService:
         self.max_model_len = max_model_len
         self.cfg = cfg
         self.sink = sink
+        # The repeated system prompt, tools and history of agent sessions tokenize once.
+        self.segments = SegmentCache(tokenizer)
+        if not self.segments.enabled:
+            logger.info("prompt segment cache off: %s", self.segments.reason)
 
     # ---------------------------------------------------------------- preparing a turn
     async def prepare(
@@ -151,7 +156,7 @@ class ChatService:
         except Exception as e:  # a template error is a request problem (e.g. bad roles order)
             raise APIError(400, f"the messages cannot be rendered by the chat template: {e}",
                            param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.segments.encode(text)
 
     # ---------------------------------------------------------------- non-streaming
     async def complete(self, turn: PreparedTurn) -> dict[str, Any]:

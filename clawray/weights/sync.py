@@ -305,6 +305,9 @@ class LoraSync(WeightSync):
         return self._publish(version, payload, nbytes, started)
 
     async def receive(self, engine: Any, payload: Any, version: int) -> None:
+        if callable(getattr(engine, "load_lora", None)):  # the engine serves adapters itself
+            await engine.load_lora(payload, version)
+            return
         model = getattr(engine, "model", None)
         if not isinstance(model, torch.nn.Module):
             raise WeightSyncError(f"LoRA merging needs an engine exposing its torch model "

@@ -40,7 +40,8 @@ def build(name: str, path) -> Engine:
 
     return VLLMEngine.from_config(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN,
                                   max_num_seqs=MAX_RUNNING, max_waiting=MAX_WAITING,
-                                  kv_cache_memory_bytes=256 << 20)
+                                  kv_cache_memory_bytes=256 << 20, enable_lora=True,
+                                  max_lora_rank=8)
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session", params=ENGINES)
@@ -237,6 +238,57 @@ async def test_new_weights_load_between_steps_and_mark_spanning_requests(
     finally:
         await engine.load_weights(original, policy_version=0)
     assert (await engine.generate(PROMPT, GREEDY))[0].token_ids == before
+
+
+async def test_lora_payloads_serve_the_merged_policy(engine, reference, tiny_model_path):
+    """A LoRA sync: the transformers engine merges the adapters into its weights, vLLM loads
+    them as a LoRA adapter per version. Either way the served policy is the merged model."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    from clawray.weights.sync import LoraSync, WeightSyncError, lora_payload
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(copy.deepcopy(reference), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    payload = lora_payload(peft_model)
+    merged = peft_model.merge_and_unload().eval()
+    sync = LoraSync(replica_id="conformance")
+    original = load_file(str(tiny_model_path / "model.safetensors"))
+    first = (await engine.generate(PROMPT, GREEDY))[0]
+    spanning = asyncio.create_task(engine.generate(
+        PROMPT, SamplingParams(max_tokens=1500, temperature=1.0, ignore_eos=True)))
+    await asyncio.sleep(0.3)
+    try:
+        await sync.receive(engine, payload, 5)
+        out = (await engine.generate(PROMPT, GREEDY))[0]
+        assert out.policy_version == 5 and out.token_versions == [5] * len(out.token_ids)
+        assert out.token_ids == reference_greedy(merged, PROMPT, GREEDY.max_tokens)
+        assert torch.allclose(torch.tensor(out.logprobs),
+                              reference_logprobs(merged, PROMPT, out.token_ids), atol=2e-3)
+        assert max(abs(a - b) for a, b in zip(out.logprobs, first.logprobs)) > 0.05
+        scored = await engine.prompt_logprobs(PROMPT, out.token_ids)
+        assert torch.allclose(torch.tensor(scored), torch.tensor(out.logprobs), atol=2e-3)
+        long = (await spanning)[0]
+        # Exact either way: merged mid-flight (versions change) or kept on its adapter.
+        end = long.policy_version_end
+        assert long.policy_version == 0 and end in (None, 5)
+        assert long.token_versions[0] == 0 and long.token_versions[-1] == (end or 0)
+        bad = {**payload, "modules": {"model.no_such_layer": next(iter(payload["modules"].values()))}}
+        with pytest.raises((EngineError, WeightSyncError), match="no_such_layer"):
+            await sync.receive(engine, bad, 6)
+        assert (await engine.generate(PROMPT, GREEDY))[0].token_ids == out.token_ids
+    finally:
+        await engine.load_weights(original, policy_version=0)
+    back = (await engine.generate(PROMPT, GREEDY))[0]
+    assert back.token_ids == first.token_ids and back.policy_version == 0
+    assert torch.allclose(torch.tensor(back.logprobs), torch.tensor(first.logprobs), atol=1e-5)
 
 
 async def test_a_bad_state_dict_is_refused_and_changes_nothing(engine):

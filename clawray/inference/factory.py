@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from clawray.config import InferenceConfig, ModelConfig
@@ -10,10 +11,28 @@ if TYPE_CHECKING:
     from clawray.inference.engine import Engine
     from clawray.models.loader import ModelInfo
 
+logger = logging.getLogger(__name__)
+
+
+def resolve_engine(name: str) -> str:
+    """``auto``: vLLM where it can run here (bench/README.md: faster on agent sessions and
+    at concurrency 8 and 32), else the transformers engine; other names as they are."""
+    if name != "auto":
+        return name
+    from clawray.inference.vllm_engine import VLLMUnavailableError, check_vllm_available
+
+    try:
+        check_vllm_available()
+    except VLLMUnavailableError as e:
+        logger.warning("inference.engine=auto: using the transformers engine (%s)", e)
+        return "hf"
+    return "vllm"
+
 
 def make_engine(model: ModelConfig, inference: InferenceConfig, info: "ModelInfo") -> "Engine":
     max_len = model.max_model_len or info.max_model_len
-    if inference.engine == "hf":
+    engine = resolve_engine(inference.engine)
+    if engine == "hf":
         from clawray.inference.hf_engine import HFEngine
 
         return HFEngine.from_path(
@@ -25,7 +44,7 @@ def make_engine(model: ModelConfig, inference: InferenceConfig, info: "ModelInfo
             dtype=model.dtype,
             device=model.device,
         )
-    if inference.engine == "vllm":
+    if engine == "vllm":
         from clawray.inference.vllm_engine import VLLMEngine
 
         kv_bytes = None if inference.kv_cache_gib is None else int(inference.kv_cache_gib * 2**30)
@@ -44,7 +63,7 @@ def make_engine(model: ModelConfig, inference: InferenceConfig, info: "ModelInfo
             enable_lora=inference.max_lora_rank > 0,
             max_lora_rank=max(inference.max_lora_rank, 1),
         )
-    if inference.engine == "fixed_latency":
+    if engine == "fixed_latency":
         from clawray.inference.fixed_latency import FixedLatencyEngine
 
         return FixedLatencyEngine(latency_s=inference.fixed_latency_s, max_model_len=max_len)

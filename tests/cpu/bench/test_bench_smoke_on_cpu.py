@@ -141,3 +141,17 @@ def test_quick_run_of_the_env_runner_bench_measures_runners_against_the_generati
 
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_prompt_token_bench_checks_ids_and_reports_both_methods(tmp_path, tiny_model_path):
+    import subprocess
+
+    out = tmp_path / "prompt_tokens.json"
+    script = Path(__file__).resolve().parents[3] / "bench" / "prompt_tokens.py"
+    run = subprocess.run([sys.executable, str(script), "--repeats", "2", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert len(report["rows"]) >= 6 and report["cache"]["enabled"]
+    for row in report["rows"]:  # the script itself asserts equal ids before timing
+        assert row["tokens"] > 17_000 and row["whole_ms"] > 0 and row["cached_ms"] > 0

@@ -95,6 +95,9 @@ class ServingConfig(_Section):
     )
     ingress_replicas: int = Field(1, ge=1)
     policy_replicas: int = Field(1, ge=1)
+    session_affinity: bool = Field(
+        True, description="split layout: a session's turns go to one PolicyServer replica "
+        "(its prefix cache is warm there; clawray/serve/routing.py).")
     max_ongoing_requests: int = Field(512, ge=1)
     replica_num_cpus: float = Field(1.0, ge=0)
     replica_num_gpus: float = Field(0.0, ge=0)

@@ -19,11 +19,13 @@ from __future__ import annotations
 from typing import Any
 
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from clawray.config import ClawRayConfig
 from clawray.serve.judge_server import JudgeServer
 from clawray.serve.ingress import Ingress
 from clawray.serve.policy_server import PolicyServer
+from clawray.serve.routing import ROUTER_CLASS
 
 
 def build_app(args: dict[str, Any] | ClawRayConfig | None = None) -> Application:
@@ -48,7 +50,10 @@ def build_app(args: dict[str, Any] | ClawRayConfig | None = None) -> Application
         judge = JudgeServer.options(ray_actor_options=actor).bind(data)
     if s.layout == "colocated":
         return ingress.options(ray_actor_options=actor).bind(data, None, judge)
+    routing = {}
+    if s.session_affinity:  # a session's turns go to the replica that has its prefix
+        routing["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
     policy = PolicyServer.options(num_replicas=s.policy_replicas,
                                   max_ongoing_requests=s.max_ongoing_requests,
-                                  ray_actor_options=actor)
+                                  ray_actor_options=actor, **routing)
     return ingress.options(ray_actor_options={"num_cpus": 0}).bind(data, policy.bind(data), judge)

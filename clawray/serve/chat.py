@@ -47,9 +47,11 @@ logger = logging.getLogger(__name__)
 class PolicyClient(Protocol):
     """How the ingress reaches the engine: in-process, or through a Serve handle."""
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[TokenOutput]: ...
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       session_key: str | None = None) -> list[TokenOutput]: ...
 
-    def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]: ...
+    def stream(self, prompt_ids: list[int], params: SamplingParams,
+               session_key: str | None = None) -> AsyncIterator[TokenDelta]: ...
 
     async def status(self) -> EngineStatus: ...
 
@@ -160,7 +162,8 @@ class ChatService:
 
     # ---------------------------------------------------------------- non-streaming
     async def complete(self, turn: PreparedTurn) -> dict[str, Any]:
-        outputs = await self._engine_call(self.policy.generate(turn.prompt_ids, turn.params))
+        outputs = await self._engine_call(self.policy.generate(
+            turn.prompt_ids, turn.params, session_key=turn.meta.session_id))
         choices, completion_tokens = [], 0
         for out in sorted(outputs, key=lambda o: o.index):
             text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
@@ -196,7 +199,8 @@ class ChatService:
         version = None
         completion_tokens = 0
         cached = None
-        source = self.policy.stream(turn.prompt_ids, turn.params)
+        source = self.policy.stream(turn.prompt_ids, turn.params,
+                                    session_key=turn.meta.session_id)
         deltas = _errors_as_api(source)
         # Wait for the first token before the first byte, so engine errors (overload, length)
         # still become a proper HTTP error status in the ingress.

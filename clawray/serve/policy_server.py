@@ -12,6 +12,8 @@ published weights are swapped in between generation steps, without refusing any 
 
 from __future__ import annotations
 
+import collections
+
 import logging
 from typing import Any, AsyncIterator
 
@@ -40,10 +42,12 @@ class LocalPolicy:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[TokenOutput]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       session_key: str | None = None) -> list[TokenOutput]:
         return await self.engine.generate(prompt_ids, params)
 
-    def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+    def stream(self, prompt_ids: list[int], params: SamplingParams,
+               session_key: str | None = None) -> AsyncIterator[TokenDelta]:
         return self.engine.generate_stream(prompt_ids, params)
 
     async def status(self) -> EngineStatus:
@@ -57,11 +61,15 @@ class HandlePolicy:
         self.handle = handle
         self._streaming = handle.options(stream=True)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[TokenOutput]:
-        return await self.handle.generate.remote(prompt_ids, params)
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       session_key: str | None = None) -> list[TokenOutput]:
+        # session_key is read by the deployment's SessionAffinityRouter (serve/routing.py).
+        return await self.handle.generate.remote(prompt_ids, params, session_key=session_key)
 
-    def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
-        return self._streaming.generate_stream.remote(prompt_ids, params)
+    def stream(self, prompt_ids: list[int], params: SamplingParams,
+               session_key: str | None = None) -> AsyncIterator[TokenDelta]:
+        return self._streaming.generate_stream.remote(prompt_ids, params,
+                                                      session_key=session_key)
 
     async def status(self) -> EngineStatus:
         return await self.handle.status.remote()
@@ -77,11 +85,22 @@ class PolicyCore:
     def __init__(self, cfg: ClawRayConfig) -> None:
         self.engine, self.info = load_policy_engine(cfg)
         self.receiver: WeightReceiver | None = start_receiver(self.engine)
+        self.sessions: collections.Counter[str] = collections.Counter()  # requests per session
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[TokenOutput]:
+    def _seen(self, session_key: str | None) -> None:
+        if session_key:
+            self.sessions[session_key] += 1
+            if len(self.sessions) > 10_000:  # a bounded view: drop the rarest half
+                self.sessions = collections.Counter(dict(self.sessions.most_common(5_000)))
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       session_key: str | None = None) -> list[TokenOutput]:
+        self._seen(session_key)
         return await self.engine.generate(prompt_ids, params)
 
-    async def generate_stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+    async def generate_stream(self, prompt_ids: list[int], params: SamplingParams,
+                              session_key: str | None = None) -> AsyncIterator[TokenDelta]:
+        self._seen(session_key)
         async for delta in self.engine.generate_stream(prompt_ids, params):
             yield delta
 
@@ -92,7 +111,11 @@ class PolicyCore:
         await self.engine.load_weights(state_dict, policy_version)
 
     async def status(self) -> EngineStatus:
-        return await self.engine.status()
+        status = await self.engine.status()
+        if self.receiver is not None:
+            status.extra["replica"] = self.receiver.replica_id
+        status.extra["sessions"] = dict(self.sessions.most_common(100))
+        return status
 
     async def pause(self) -> None:
         await self.engine.pause()

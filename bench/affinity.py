@@ -8,7 +8,8 @@ default, ``clawray/serve/routing.py``) and off (Serve's default power-of-two rou
 
 Each setup replays ``--sessions`` copies of OpenClaw's session ``s1`` (4 requests of ~18k
 prompt tokens, each the previous one plus a turn), every copy under its own session id
-(``X-Session-Id``), the copies interleaved turn by turn, one request at a time. Reported per
+(``X-Session-Id``) and with its own tag at the start of the system prompt (so no two
+sessions share a prefix), the copies interleaved turn by turn, one request at a time. Reported per
 request: TTFT and the prompt tokens served from the prefix cache; per setup, the share of
 prompt tokens of the later turns served from cache and their median TTFT.
 """
@@ -40,7 +41,12 @@ async def replay(url: str, copies: int, max_tokens: int) -> list[dict]:
         for turn, body in enumerate(bodies):
             for c in range(copies):
                 sid = f"bench-affinity-{c}"
-                req = {**body, "model": SERVED_NAME, "max_completion_tokens": max_tokens,
+                # Sessions must differ from their first token on, as real ones do: the
+                # copies' system prompts start with their own tag.
+                messages = [dict(m) for m in body["messages"]]
+                messages[0]["content"] = f"[workspace {c}] " + str(messages[0]["content"])
+                req = {**body, "messages": messages,
+                       "model": SERVED_NAME, "max_completion_tokens": max_tokens,
                        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
                 client.headers["X-Session-Id"] = sid
                 res = await stream_one(client, url, req)
@@ -56,7 +62,12 @@ def summarize(rows: list[dict]) -> dict:
     later = [r for r in rows if r["turn"] > 0]
     return {"later_cached_share": sum(r["cached_tokens"] for r in later)
             / max(1, sum(r["prompt_tokens"] or 0 for r in later)),
+            # a later turn that found less than half its prompt cached: a cold replica
+            "later_misses": sum(r["cached_tokens"] < 0.5 * (r["prompt_tokens"] or 1)
+                                for r in later),
+            "later_requests": len(later),
             "later_ttft_p50_ms": statistics.median(r["ttft_ms"] for r in later),
+            "later_ttft_mean_ms": statistics.fmean(r["ttft_ms"] for r in later),
             "first_ttft_p50_ms": statistics.median(r["ttft_ms"] for r in rows if r["turn"] == 0)}
 
 
@@ -92,7 +103,9 @@ def main(argv: list[str] | None = None) -> None:
         summary = summarize(rows)
         report["setups"][name] = {"requests": rows, **summary}
         print(f"[{name}] later turns: {summary['later_cached_share']:.1%} of prompt tokens "
-              f"from cache, TTFT p50 {summary['later_ttft_p50_ms']:.0f} ms (first turns "
+              f"from cache, {summary['later_misses']} of {summary['later_requests']} on a cold "
+              f"replica, TTFT p50 {summary['later_ttft_p50_ms']:.0f} ms, mean "
+              f"{summary['later_ttft_mean_ms']:.0f} ms (first turns "
               f"{summary['first_ttft_p50_ms']:.0f} ms)", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -227,6 +227,29 @@ async def closed_loop(url: str, body: dict[str, Any], concurrency: int, warmup: 
             "completion_tokens_mean": statistics.fmean(tokens) if tokens else None}
 
 
+def cpu_snapshot() -> dict[int, tuple[str, float]]:
+    """CPU seconds so far of every process on the machine (name, user + system)."""
+    import psutil
+
+    out = {}
+    for p in psutil.process_iter(["name", "cmdline"]):
+        try:
+            times = p.cpu_times()
+            out[p.pid] = ((" ".join(p.info["cmdline"] or []) or p.info["name"])[:80],
+                          times.user + times.system)
+        except psutil.Error:
+            continue
+    return out
+
+
+def cpu_top(before: dict, after: dict, seconds: float, n: int = 6) -> list[dict[str, Any]]:
+    """The processes that used the most CPU between two snapshots (percent of one core):
+    where the machine's time went while a level was measured."""
+    used = [(after[pid][1] - before.get(pid, (None, 0.0))[1], after[pid][0]) for pid in after]
+    return [{"process": name, "cpu_pct": round(100 * u / seconds, 1)}
+            for u, name in sorted(used, reverse=True)[:n] if u > 0]
+
+
 def pct(xs: list[float], q: int) -> float:
     if not xs:
         return float("nan")
@@ -357,8 +380,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             res["agent"] = []
             for c in levels:
                 n = max(args.requests, 10 * c)
+                before = cpu_snapshot()
+                t0 = time.perf_counter()
                 cell = asyncio.run(closed_loop(url, body, c, warmup=4 + c, requests=n,
                                                max_s=args.max_level_s))
+                cell["cpu_top"] = cpu_top(before, cpu_snapshot(), time.perf_counter() - t0)
                 res["agent"].append(cell)
                 print(f"[{name}] c={c}: {cell['req_per_s']:.1f} req/s, p50 "
                       f"{cell['p50_ms']:.0f} ms, TTFT p50 {cell['ttft_p50_ms']:.0f} ms, "

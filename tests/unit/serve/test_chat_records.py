@@ -15,10 +15,10 @@ VERSIONS = [3, 3, 4, 4]  # the weights changed after the second token
 class SwappingPolicy:
     """A policy client whose one completion is sampled half on version 3, half on 4."""
 
-    async def generate(self, prompt_ids, params):
+    async def generate(self, prompt_ids, params, session_key=None):
         return [TokenOutput(list(IDS), [-0.5] * 4, "length", 3, 4, token_versions=VERSIONS)]
 
-    async def stream(self, prompt_ids, params):
+    async def stream(self, prompt_ids, params, session_key=None):
         for i, (tok, ver) in enumerate(zip(IDS, VERSIONS)):
             last = i == len(IDS) - 1
             yield TokenDelta([tok], [-0.5], 3, "length" if last else None,

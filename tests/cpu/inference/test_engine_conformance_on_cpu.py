@@ -339,9 +339,14 @@ async def test_zz_a_dead_vllm_engine_core_fails_requests_cleanly_and_fails_healt
 
     from clawray.inference import EngineUnavailable
 
-    cores = [p for p in psutil.Process().children(recursive=True)
-             if "EngineCore" in " ".join(p.cmdline() + [p.name()])]
-    assert cores, [p.name() for p in psutil.Process().children(recursive=True)]
+    def title(p: psutil.Process) -> str:
+        try:
+            return " ".join(p.cmdline() + [p.name()])
+        except psutil.Error:  # a zombie or a process that just ended (other tests' children)
+            return ""
+
+    cores = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in title(p)]
+    assert cores, [title(p) for p in psutil.Process().children(recursive=True)]
     for p in cores:
         p.kill()
     deadline = time.monotonic() + 30

@@ -56,13 +56,14 @@ def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None,
                             env={**os.environ, **(env or {})}, cwd=BENCH.parent)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log: Path,
+                 path: str = "/healthz") -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
         try:
-            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+            if httpx.get(url + path, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

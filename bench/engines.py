@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bodies import agent_turn, fixtures_dir  # noqa: E402
 from _report import machine_info  # noqa: E402
-from _servers import BENCH, Servers, free_port, spawn, start_ray, stop  # noqa: E402
+from _servers import (  # noqa: E402
+    BENCH, Servers, free_port, spawn, start_ray, stop, wait_healthy)
 
 SERVED_NAME = "clawray-tiny"
 MAX_MODEL_LEN = 32768
@@ -135,19 +136,12 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
 
 def wait_models(url: str, proc: subprocess.Popen, timeout_s: float, log: Path,
                 servers: Servers) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            stop(servers)
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop(servers)
-    raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s; see {log}")
+    """Wait until the server lists its models; stop it if it never does."""
+    try:
+        wait_healthy(url, proc, timeout_s, log, path="/v1/models")
+    except BaseException:
+        stop(servers)
+        raise
 
 
 # ------------------------------------------------------------------------------ client

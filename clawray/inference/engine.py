@@ -62,9 +62,7 @@ class TokenOutput:
 
     def versions(self) -> list[int]:
         """One policy version per token id."""
-        if self.token_versions is not None:
-            return list(self.token_versions)
-        return [self.policy_version] * len(self.token_ids)
+        return _versions(self)
 
 
 @dataclasses.dataclass
@@ -89,9 +87,13 @@ class TokenDelta:
 
     def versions(self) -> list[int]:
         """One policy version per token id."""
-        if self.token_versions is not None:
-            return list(self.token_versions)
-        return [self.policy_version] * len(self.token_ids)
+        return _versions(self)
+
+
+def _versions(out: TokenOutput | TokenDelta) -> list[int]:
+    if out.token_versions is not None:
+        return list(out.token_versions)
+    return [out.policy_version] * len(out.token_ids)
 
 
 @dataclasses.dataclass

@@ -9,9 +9,12 @@
 #    with zero failed requests, LoRA adapters);
 # 2. bench/engines.py: clawray over vLLM against `vllm serve` on the same requests (req/s,
 #    TTFT at c=1/8/32, the OpenClaw session);
-# and writes bench/results/gpu_check.json. About 10 minutes on one GPU; any failure stops it
-# with a non-zero status. Not covered: the NCCL weight-transfer path (clawray/weights/nccl.py),
-# whose engine-side setup (weight_transfer_config at engine creation) is not wired yet.
+# 3. bench/gpu_nccl.py: the NCCL weight sync (vLLM's weight-transfer engine, created with
+#    `inference.weight_transfer: nccl`) from a learner on one GPU into a served replica on
+#    another, under streaming load: sync seconds, zero failed requests, log-probs after.
+#    Needs 2 GPUs; on one it reports "skipped" (NCCL puts no two ranks on one GPU).
+# and writes bench/results/gpu_check.json and gpu_nccl.json. About 10 minutes on one GPU; any
+# failure stops it with a non-zero status.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-embedded:tiny}
@@ -33,4 +36,5 @@ started=$(date +%s)
 $PY -m pytest -q -x tests/cpu/inference tests/cpu/weights/test_weight_sync_on_cpu.py -k vllm \
     --junitxml="$out/gpu_check-tests.xml"
 $PY bench/engines.py --setups clawray-vllm,vllm-serve --model "$MODEL" --out "$out/gpu_check.json"
+$PY bench/gpu_nccl.py --model "$MODEL" --out "$out/gpu_nccl.json"
 echo "gpu_check: passed in $(( $(date +%s) - started )) s; results in $out/gpu_check.json"

@@ -64,6 +64,11 @@ class InferenceConfig(_Section):
         "training (training.lora_rank > 0) with vLLM needs it >= the adapters' rank.")
     tensor_parallel_size: int = Field(1, ge=1)
     enforce_eager: bool = False
+    weight_transfer: Literal["files", "nccl"] = Field(
+        "files", description="vLLM: how new weights arrive. 'files': the replica reloads a "
+        "checkpoint it writes from the object store's tensors (CPU and GPU); 'nccl': the "
+        "engine starts with vLLM's NCCL weight-transfer engine (weight_transfer_config) and "
+        "the learner broadcasts into it (GPU only; clawray/weights/nccl.py).")
     # fixed_latency only (benchmarks and protocol tests)
     fixed_latency_s: float = Field(0.02, ge=0)
 

@@ -62,6 +62,7 @@ def make_engine(model: ModelConfig, inference: InferenceConfig, info: "ModelInfo
             enable_prefix_caching=inference.enable_prefix_caching,
             enable_lora=inference.max_lora_rank > 0,
             max_lora_rank=max(inference.max_lora_rank, 1),
+            weight_transfer=inference.weight_transfer,
         )
     if engine == "fixed_latency":
         from clawray.inference.fixed_latency import FixedLatencyEngine

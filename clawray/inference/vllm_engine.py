@@ -127,6 +127,7 @@ def engine_args_kwargs(
     enable_lora: bool = False,
     max_lora_rank: int = 16,
     max_loras: int = 2,
+    weight_transfer: str = "files",
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.engine.arg_utils.AsyncEngineArgs`` for the policy model.
@@ -137,7 +138,16 @@ def engine_args_kwargs(
     generator does not support, so a seeded request with a long prompt killed the engine core
     ("CPU Generator does not use offset"). The KV cache gets a fixed size there
     (``kv_cache_memory_bytes``, default 1 GiB) instead of a share of the machine's memory.
+
+    ``weight_transfer="nccl"`` creates the engine with vLLM's NCCL weight-transfer engine
+    (``weight_transfer_config={"backend": "nccl"}``), which ``VLLMNcclSync`` drives; vLLM
+    registers that engine on its GPU worker only, so it is refused on CPU.
     """
+    if weight_transfer not in ("files", "nccl"):
+        raise ValueError(f"weight_transfer must be 'files' or 'nccl', got {weight_transfer!r}")
+    if weight_transfer == "nccl" and device == "cpu":
+        raise ValueError("weight_transfer='nccl' needs CUDA GPUs (vLLM's CPU worker has no "
+                         "weight-transfer engine); use 'files' on CPU")
     kwargs: dict[str, Any] = dict(
         model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
         tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
@@ -158,6 +168,8 @@ def engine_args_kwargs(
         kwargs["max_num_seqs"] = max_num_seqs
     if enable_lora:
         kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=max_loras)
+    if weight_transfer == "nccl":
+        kwargs["weight_transfer_config"] = {"backend": "nccl"}  # AsyncEngineArgs converts it
     kwargs.update(extra or {})
     return kwargs
 
@@ -511,8 +523,13 @@ class VLLMEngine:
         unknown names or wrong shapes raise EngineError before anything changes. In-flight
         requests are frozen, not aborted, and continue under the new weights; the KV and
         prefix caches are dropped so no token is computed from stale keys/values. Requests
-        that arrive meanwhile wait and start on the new version.
+        that arrive meanwhile wait and start on the new version. An empty ``state_dict`` only
+        adopts the version (the NCCL sync has already put the tensors into the workers).
         """
+        if not state_dict:
+            async with self._control:
+                self._policy_version = policy_version
+            return
         async with self._control:
             started = time.monotonic()
             # Written while generation goes on; only the reload itself pauses it.

@@ -140,6 +140,21 @@ class VLLMNcclSync(WeightSync):
         self._client = _ControlClient(self)
         self._source = _StateSource()
 
+    @classmethod
+    def for_app(cls, cfg: Any, **kwargs: Any) -> VLLMNcclSync:
+        """The sync into the app that ``cfg`` (a ``ClawRayConfig``) deploys: its replicas' vLLM
+        engines were created with the NCCL weight-transfer engine, and each takes
+        ``tensor_parallel_size`` ranks of the group."""
+        inference = cfg.inference_cfg
+        if inference.engine not in ("vllm", "auto"):
+            raise ValueError(f"the 'nccl' weight sync needs vLLM replicas, not engine "
+                             f"{inference.engine!r}")
+        if inference.weight_transfer != "nccl":
+            raise ValueError("the app's vLLM engines must be created for it: set "
+                             "`inference: weight_transfer: nccl`")
+        return cls(cfg.training_cfg.app, ranks_per_replica=inference.tensor_parallel_size,
+                   **kwargs)
+
     # ---- learner side -----------------------------------------------------------------------
 
     def prepare(self, version: int) -> None:

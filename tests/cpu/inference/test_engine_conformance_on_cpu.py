@@ -306,6 +306,18 @@ async def test_a_bad_state_dict_is_refused_and_changes_nothing(engine):
     assert (await engine.generate(PROMPT, GREEDY))[0].token_ids == before
 
 
+async def test_an_empty_state_dict_only_adopts_the_version(engine):
+    # The NCCL sync puts the tensors into vLLM's workers itself, then adopts the version so;
+    # rewriting the checkpoint then would put the old weights back.
+    version = (await engine.status()).policy_version
+    before = (await engine.generate(PROMPT, GREEDY))[0]
+    await engine.load_weights({}, version + 5)
+    after = (await engine.generate(PROMPT, GREEDY))[0]
+    await engine.load_weights({}, version)
+    assert after.token_ids == before.token_ids and after.policy_version == version + 5
+    assert torch.allclose(torch.tensor(after.logprobs), torch.tensor(before.logprobs), atol=1e-6)
+
+
 async def test_bad_prompts_get_a_precise_error_and_the_engine_goes_on(engine):
     with pytest.raises(EngineError, match="empty"):
         await engine.generate([], GREEDY)

@@ -111,6 +111,26 @@ def test_engine_args_on_cpu_never_chunk_a_prefill_and_size_the_kv_cache():
         engine_args_kwargs("/models/m", device="cpu")
 
 
+def test_engine_args_create_the_nccl_weight_transfer_engine_only_on_gpu():
+    assert "weight_transfer_config" not in engine_args_kwargs("/models/m")
+    kwargs = engine_args_kwargs("/models/m", weight_transfer="nccl", tensor_parallel_size=2)
+    assert kwargs["weight_transfer_config"] == {"backend": "nccl"}
+    with pytest.raises(ValueError, match="needs CUDA GPUs"):
+        engine_args_kwargs("/models/m", device="cpu", max_model_len=256, weight_transfer="nccl")
+    with pytest.raises(ValueError, match="'files' or 'nccl'"):
+        engine_args_kwargs("/models/m", weight_transfer="gloo")
+
+
+def test_vllm_takes_the_nccl_engine_args_as_its_weight_transfer_config():
+    pytest.importorskip("vllm")
+    from vllm.config import WeightTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    args = AsyncEngineArgs(**engine_args_kwargs("/models/m", weight_transfer="nccl"))
+    assert isinstance(args.weight_transfer_config, WeightTransferConfig)
+    assert args.weight_transfer_config.backend == "nccl"
+
+
 def test_sampling_kwargs_carry_every_setting_and_ask_for_sampled_logprobs():
     params = SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, stop=("</s>",), seed=3,
                             n=2, ignore_eos=True)

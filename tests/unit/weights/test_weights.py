@@ -163,7 +163,6 @@ def test_unknown_sync_kind_is_a_clear_error():
         make_weight_sync("rsync", "app")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
 async def test_nccl_sync_imports_without_vllm_and_says_what_is_missing():
     # Importing the module (and clawray) must not import vLLM.
     code = ("import sys, clawray.weights.nccl, clawray.serve.app; "
@@ -175,8 +174,30 @@ async def test_nccl_sync_imports_without_vllm_and_says_what_is_missing():
 
     sync = make_weight_sync("nccl", "app", ranks_per_replica=2)
     assert sync.kind == "nccl"
+    if importlib.util.find_spec("vllm") is None:
+        missing = r"vLLM 0\.32\.0.*clawray\[vllm\]"
+    elif not torch.cuda.is_available():
+        missing = r"needs a CUDA GPU"
+    else:
+        pytest.skip("a CUDA machine with vLLM: bench/gpu_check.sh runs the NCCL sync there")
     for call in (lambda: sync.prepare(1), lambda: sync.send({"w": torch.zeros(2)}, 1)):
-        with pytest.raises(VLLMUnavailableError, match=r"vLLM 0\.32\.0.*clawray\[vllm\]"):
+        with pytest.raises(VLLMUnavailableError, match=missing):
             call()
-    with pytest.raises(VLLMUnavailableError, match="object_store"):
+    with pytest.raises(VLLMUnavailableError, match=missing):
         await sync.receive(object(), {}, 1)
+
+
+def test_nccl_sync_for_an_app_takes_its_ranks_from_tensor_parallelism():
+    from clawray.config import ClawRayConfig
+    from clawray.weights.nccl import VLLMNcclSync, rank_offsets
+
+    cfg = (ClawRayConfig().inference(engine="vllm", tensor_parallel_size=4,
+                                     weight_transfer="nccl").training(app="svc"))
+    sync = VLLMNcclSync.for_app(cfg)
+    assert (sync.app_name, sync.ranks_per_replica) == ("svc", 4)
+    # trainer rank 0; each replica's TP workers in a block, in replica-id order
+    assert rank_offsets(["r2", "r1"], 4) == {"r1": 1, "r2": 5}
+    with pytest.raises(ValueError, match="weight_transfer: nccl"):
+        VLLMNcclSync.for_app(ClawRayConfig().inference(engine="vllm"))
+    with pytest.raises(ValueError, match="engine 'hf'"):
+        VLLMNcclSync.for_app(ClawRayConfig().inference(engine="hf", weight_transfer="nccl"))

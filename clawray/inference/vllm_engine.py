@@ -593,6 +593,9 @@ class VLLMEngine:
         if not self._closed:
             self._closed = True
             self._llm.shutdown()
+            # AsyncLLM.__del__ shuts down again; at interpreter exit that raised ("'NoneType'
+            # object is not callable": vLLM's module globals are gone by then).
+            self._llm.shutdown = lambda *args, **kwargs: None
             self._checkpoint.cleanup()
             if self._lora_root is not None:
                 shutil.rmtree(self._lora_root, ignore_errors=True)

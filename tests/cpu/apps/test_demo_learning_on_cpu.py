@@ -6,11 +6,15 @@ run-to-run noise. The same code path as ``clawray demo`` (``clawray.apps.demo.ru
 Margin: the evaluation set has 100 requests, so one rate's binomial standard error is at most
 0.05; the test asks for a rise of at least 0.15 (three of them) from a base rate measured in
 the same run. Seed 0, 40 iterations (as the demo); ``docs/training.md`` lists the measured runs.
+Served by vLLM where it is installed (as ``clawray demo`` does: ``engine: auto``), else by the
+transformers engine.
 The live loop is not deterministic (request timing decides which samples form a batch), and
 learning on the tiny model is noisy: with 30 iterations one CI run of five rose by only 0.14.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 
@@ -21,6 +25,7 @@ pytestmark = pytest.mark.ray
 APP = "learn"
 MARGIN = 0.15
 ITERATIONS = 40  # as the demo: at 30, one CI run of five rose by only 0.14 (0.33 -> 0.47)
+ENGINE = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
 
 
 def test_live_users_satisfaction_rises_with_training(served, tmp_path):
@@ -30,7 +35,7 @@ def test_live_users_satisfaction_rises_with_training(served, tmp_path):
     from clawray.serve.app import build_app
 
     cfg = demo_config(ClawRayConfig().serving(api_keys=[API_KEY]), tmp_path, seed=0) \
-        .training(app=APP, learner_num_cpus=0.5)
+        .training(app=APP, learner_num_cpus=0.5).inference(engine=ENGINE, kv_cache_gib=0.25)
     serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
     port = served.base_url.split(":")[2].split("/")[0]
     lines: list[str] = []
@@ -41,7 +46,7 @@ def test_live_users_satisfaction_rises_with_training(served, tmp_path):
     finally:
         serve.delete(APP)
     before, after = summary["before"]["rate"], summary["after"]["rate"]
-    print(f"satisfaction {before:.2f} -> {after:.2f} over {ITERATIONS} iterations")
+    print(f"[{ENGINE}] satisfaction {before:.2f} -> {after:.2f} over {ITERATIONS} iterations")
     assert 0.2 <= before <= 0.6, summary["before"]  # the preference's base rate
     assert after >= before + MARGIN, "\n".join(lines)
     assert summary["user_errors"] == 0 and summary["eval_errors"] == 0

@@ -6,7 +6,12 @@ OpenAI server (``vllm serve``) and Ray Serve LLM (``ray.serve.llm``).
 .venv/bin/python bench/engines.py                      # everything, ~15 min on 2 cores
 .venv/bin/python bench/engines.py --setups clawray-vllm,vllm-serve --concurrency 1,8
 .venv/bin/python bench/engines.py --quick              # smoke run
+.venv/bin/python bench/engines.py --setups clawray-vllm,vllm-serve --interleave 5
 ```
+
+``--interleave N`` starts the setups together and measures them in turns (N rounds, each
+level, each setup, the order reversed every other round): one paired ratio per round, so a
+machine whose speed drifts between minutes does not decide the comparison.
 
 Two scenarios, every response streamed and checked:
 
@@ -53,6 +58,9 @@ MAX_MODEL_LEN = 32768
 MAX_SEQS = 32
 SESSION = ["session_s1_t1", "session_s1_t2", "session_s1_t3_req1", "session_s1_t3_req2"]
 SETUPS = ["clawray-hf", "clawray-vllm", "vllm-serve", "ray-serve-llm"]
+# Also available (not in the default run): clawray-vllm-tput, clawray over vLLM with Ray
+# Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (user code on the replica's main event loop).
+EXTRA_SETUPS = ["clawray-vllm-tput"]
 # Ray gives an actor OMP_NUM_THREADS = its CPUs: the Ray setups reserve the whole machine for
 # the engine's replica, as the stand-alone `vllm serve` has it.
 REPLICA_CPUS = os.cpu_count() or 2
@@ -82,7 +90,10 @@ VLLM_ARGS = vllm_args()
 def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
     """Start one setup; return its processes and the base URL of its OpenAI API."""
     if name.startswith("clawray-"):
-        engine = name.removeprefix("clawray-")
+        engine = name.removeprefix("clawray-").removesuffix("-tput")
+        env = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
+        if name.endswith("-tput"):
+            env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
         gpu = "gpu_memory_utilization" in VLLM_ARGS
         config = {"model": {"path": model, "served_name": SERVED_NAME,
                             "device": "cuda" if gpu else "cpu",
@@ -94,7 +105,7 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
                               "replica_num_gpus": 1 if gpu else 0,
                               "records_path": str(logdir / f"{name}-turns.jsonl"),
                               "max_tokens_limit": 4096}}
-        servers = start_ray(name, {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}, config, logdir)
+        servers = start_ray(name, env, config, logdir)
         return servers, servers.urls.get("direct", servers.urls["proxy"])
     log = logdir / f"{name}.log"
     port = free_port()
@@ -131,7 +142,7 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
         url = json.loads(line)["url"]
         wait_models(url, proc, 60, log, servers)
         return servers, url
-    raise SystemExit(f"unknown setup {name!r}: use {', '.join(SETUPS)}")
+    raise SystemExit(f"unknown setup {name!r}: use {', '.join(SETUPS + EXTRA_SETUPS)}")
 
 
 def wait_models(url: str, proc: subprocess.Popen, timeout_s: float, log: Path,
@@ -393,6 +404,78 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
+    """Every setup started at once, then measured in turns: round after round, each
+    concurrency level, each setup (the order reversed every other round), so that all setups
+    see the same machine and every round gives one paired ratio. On a shared 2-core VM whose
+    speed drifts by 2x within minutes this is what compares setups; separate runs do not."""
+    from clawray.config import ClawRayConfig
+    from clawray.models.loader import policy_model_info
+
+    model = str(policy_model_info(ClawRayConfig().model(path=args.model)).path)
+    names = args.setups.split(",")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    body = {**agent_turn(SERVED_NAME, args.max_tokens, stream=True), "temperature": 0}
+    logdir = Path(tempfile.mkdtemp(prefix="clawray-bench-engines-"))
+    print(f"logs: {logdir}", flush=True)
+    running: dict[str, tuple[Servers, str]] = {}
+    cells: list[dict[str, Any]] = []
+    try:
+        for name in names:
+            print(f"[{name}] starting", flush=True)
+            running[name] = start_setup(name, model, logdir)
+            # warm: the first requests of a fresh server pay one-time costs
+            asyncio.run(closed_loop(running[name][1], body, 8, warmup=8, requests=40,
+                                    max_s=args.max_level_s))
+        for r in range(args.interleave):
+            order = names if r % 2 == 0 else names[::-1]
+            for c in levels:
+                for name in order:
+                    before, t0 = cpu_snapshot(), time.perf_counter()
+                    cell = asyncio.run(closed_loop(running[name][1], body, c, warmup=4 + c,
+                                                   requests=max(args.requests, 10 * c),
+                                                   max_s=args.max_level_s))
+                    cell.update(round=r, setup=name,
+                                cpu_top=cpu_top(before, cpu_snapshot(), time.perf_counter() - t0))
+                    cells.append(cell)
+                    print(f"[round {r}] {name} c={c}: {cell['req_per_s']:.1f} req/s, TTFT p50 "
+                          f"{cell['ttft_p50_ms']:.1f} ms, {cell['errors']} errors", flush=True)
+    finally:
+        for servers, _ in running.values():
+            stop(servers)
+    ref = names[0]
+    summary = []
+    for name in names[1:]:
+        for c in levels:
+            by_round = {(x["round"], x["setup"]): x for x in cells if x["concurrency"] == c}
+            ratios = [by_round[(r, ref)]["req_per_s"] / by_round[(r, name)]["req_per_s"]
+                      for r in range(args.interleave)]
+            ttft = [by_round[(r, ref)]["ttft_p50_ms"] - by_round[(r, name)]["ttft_p50_ms"]
+                    for r in range(args.interleave)]
+            sem = (statistics.stdev(ratios) / len(ratios) ** 0.5) if len(ratios) > 1 else 0.0
+            summary.append({"setup": ref, "baseline": name, "concurrency": c,
+                            "req_per_s_ratio_mean": statistics.fmean(ratios),
+                            "req_per_s_ratio_sem": sem, "req_per_s_ratios": ratios,
+                            "ttft_p50_diff_ms_mean": statistics.fmean(ttft),
+                            "ttft_p50_diff_ms": ttft})
+    return {"command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "machine": machine_info(), "model": model,
+            "settings": {"setups": names, "concurrency": levels, "rounds": args.interleave,
+                         "max_tokens": args.max_tokens, "requests": args.requests,
+                         "max_level_s": args.max_level_s, "vllm_args": VLLM_ARGS},
+            "cells": cells, "summary": summary}
+
+
+def print_interleaved(report: dict[str, Any]) -> None:
+    print(f"\n== interleaved, {report['settings']['rounds']} rounds: req/s ratio (mean ± sem "
+          "over rounds) and TTFT p50 difference ==")
+    for s in report["summary"]:
+        print(f"{s['setup']} / {s['baseline']} @ c={s['concurrency']:<3} req/s x"
+              f"{s['req_per_s_ratio_mean']:.3f} ± {s['req_per_s_ratio_sem']:.3f} "
+              f"(rounds {', '.join(f'{x:.2f}' for x in s['req_per_s_ratios'])}); TTFT p50 "
+              f"{s['ttft_p50_diff_ms_mean']:+.1f} ms")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--setups", default=",".join(SETUPS))
@@ -402,10 +485,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--model", default="embedded:tiny")
     p.add_argument("--quick", action="store_true", help="c=1,8 and 20 requests")
-    p.add_argument("--out", default=str(BENCH / "results" / "engines.json"))
+    p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                   help="start all setups at once and measure them in turns for ROUNDS rounds "
+                   "(paired ratios to the first setup; no session scenario); writes --out")
+    p.add_argument("--out", default=None, help="default: bench/results/engines.json, or "
+                   "engines-interleaved.json with --interleave")
     args = p.parse_args(argv)
     if args.quick:
         args.concurrency, args.requests, args.max_level_s = "1,8", 20, 10.0
+    if args.interleave:
+        report = run_interleaved(args)
+        out = Path(args.out or BENCH / "results" / "engines-interleaved.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+        print_interleaved(report)
+        print(f"\nwrote {out}")
+        return
+    args.out = args.out or str(BENCH / "results" / "engines.json")
     report = run(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -156,7 +156,9 @@ class IngressCore:
         st = await self.service.policy.status()
         return {"model": self.info.name, "engine": st.engine, "policy_version": st.policy_version,
                 "running": st.running, "waiting": st.waiting, "paused": st.paused,
-                "max_model_len": st.max_model_len, "collecting": self.collecting()}
+                "max_model_len": st.max_model_len, "collecting": self.collecting(),
+                # seconds of the engine's warm-up request at replica start (colocated layout)
+                "warm_up_s": self.core.warm_up_s if self.core is not None else None}
 
     def collecting(self) -> bool:
         """Whether this replica hands turn records to the session pipeline."""
@@ -192,10 +194,13 @@ async def _prepend(first: str, rest: Any) -> Any:
 class Ingress:
     """Serve shell around ``IngressCore``; admin methods are handle-only."""
 
-    def __init__(self, config: dict, policy_handle: Any = None, judge_handle: Any = None) -> None:
+    async def __init__(self, config: dict, policy_handle: Any = None,
+                       judge_handle: Any = None) -> None:  # Serve awaits an async constructor
         # judge_handle only keeps a JudgeServer in the app; PRM voters look it up by name.
         app_name = serve.get_replica_context().app_name
         self._core = IngressCore(ClawRayConfig.from_dict(config), policy_handle, app_name)
+        if self._core.core is not None:  # colocated: the engine is here
+            await self._core.core.warm_up()
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:

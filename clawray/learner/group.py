@@ -30,6 +30,9 @@ from clawray.weights.sync import make_weight_sync
 logger = logging.getLogger(__name__)
 
 
+RENDEZVOUS_ATTEMPTS = 3
+
+
 def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -121,17 +124,29 @@ class LearnerGroup:
                 f"the cluster cannot place {n} learner(s) of {bundle} with strategy "
                 f"{cfg.placement_strategy} within {setup_timeout_s:.0f} s") from None
         actor = ray.remote(LearnerWorker)
-        self.workers = [
-            actor.options(
-                num_cpus=cfg.learner_num_cpus, num_gpus=cfg.learner_num_gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=i),
-            ).remote(str(model_path), cfg.model_dump(mode="json"), i, n)
-            for i in range(n)
-        ]
-        addr, port = ray.get(self.workers[0].rendezvous.remote(), timeout=setup_timeout_s)
-        self.nodes = ray.get([w.setup.remote(addr, port) for w in self.workers],
-                             timeout=setup_timeout_s)
+        for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+            self.workers = [
+                actor.options(
+                    num_cpus=cfg.learner_num_cpus, num_gpus=cfg.learner_num_gpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.pg, placement_group_bundle_index=i),
+                ).remote(str(model_path), cfg.model_dump(mode="json"), i, n)
+                for i in range(n)
+            ]
+            addr, port = ray.get(self.workers[0].rendezvous.remote(), timeout=setup_timeout_s)
+            try:
+                self.nodes = ray.get([w.setup.remote(addr, port) for w in self.workers],
+                                     timeout=setup_timeout_s)
+                break
+            except ray.exceptions.RayTaskError as e:
+                # The free port was taken by another process before rank 0 listened on it
+                # (other services on the node pick free ports too): new ranks, a new port.
+                if "EADDRINUSE" not in str(e) or attempt == RENDEZVOUS_ATTEMPTS:
+                    raise
+                logger.warning("rendezvous port %d was taken meanwhile; retrying (%d/%d)",
+                               port, attempt, RENDEZVOUS_ATTEMPTS)
+                for w in self.workers:
+                    ray.kill(w)
         self.policy_version = 0
         logger.info("learner group of %d rank(s) up (rendezvous %s:%d)", n, addr, port)
 

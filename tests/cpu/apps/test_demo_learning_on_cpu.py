@@ -6,15 +6,14 @@ run-to-run noise. The same code path as ``clawray demo`` (``clawray.apps.demo.ru
 Margin: the evaluation set has 100 requests, so one rate's binomial standard error is at most
 0.05; the test asks for a rise of at least 0.15 (three of them) from a base rate measured in
 the same run. Seed 0, 40 iterations (as the demo); ``docs/training.md`` lists the measured runs.
-Served by vLLM where it is installed (as ``clawray demo`` does: ``engine: auto``), else by the
-transformers engine.
+Served by the transformers engine: on vLLM (``clawray demo``'s default where it is installed)
+the same test rose 0.29 -> 0.72 at seed 0 but took 163-260 s against ~175 s, and the suite's
+30 minutes do not allow it; tests/cpu/training/test_trainer_on_cpu.py trains into vLLM.
 The live loop is not deterministic (request timing decides which samples form a batch), and
 learning on the tiny model is noisy: with 30 iterations one CI run of five rose by only 0.14.
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 
@@ -25,7 +24,7 @@ pytestmark = pytest.mark.ray
 APP = "learn"
 MARGIN = 0.15
 ITERATIONS = 40  # as the demo: at 30, one CI run of five rose by only 0.14 (0.33 -> 0.47)
-ENGINE = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+ENGINE = "hf"
 
 
 def test_live_users_satisfaction_rises_with_training(served, tmp_path):

@@ -44,7 +44,9 @@ def build(name: str, path) -> Engine:
                                   max_lora_rank=8)
 
 
-@pytest_asyncio.fixture(scope="session", loop_scope="session", params=ENGINES)
+# Module scope: an idle vLLM engine still takes ~10% of a core (its worker polls), so it must
+# not outlive this file; loop_scope stays "session" (AsyncLLM is bound to the loop it ran on).
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=ENGINES)
 async def engine(request, tiny_model_path):
     eng = build(request.param, tiny_model_path)
     yield eng

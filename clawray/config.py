@@ -13,6 +13,7 @@ YAML files and Serve ``args`` use the concern names as keys (``model:``, ``infer
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 from pathlib import Path
@@ -79,10 +80,28 @@ class ServingConfig(_Section):
     host: str = Field("127.0.0.1", description="Bind address; loopback unless configured.")
     port: int = Field(8000, ge=1, le=65535)
     allow_remote_without_auth: bool = False
-    api_keys: list[str] = Field(default_factory=list, description="Accepted bearer keys.")
+    api_keys: list[str] = Field(
+        default_factory=list, description="Accepted bearer keys; each key is a tenant "
+        "(docs/reliability.md). Deployments never receive them: build_app passes their "
+        "SHA-256 digests instead.")
     api_keys_env: str = Field(
         "CLAWRAY_API_KEYS", description="Env var with more comma-separated keys."
     )
+    api_keys_file: str | None = Field(
+        None, description="File with more keys, one per line (e.g. a mounted secret).")
+    api_key_digests: list[str] = Field(
+        default_factory=list, description="SHA-256 hex digests of more accepted keys: what a "
+        "YAML can hold instead of a key (`clawray key-digest`).")
+
+    @field_validator("api_key_digests")
+    @classmethod
+    def _hex_digests(cls, v: list[str]) -> list[str]:
+        out = [d.strip().lower() for d in v]
+        bad = [d[:8] + "..." for d in out if len(d) != 64 or any(c not in "0123456789abcdef"
+                                                                  for c in d)]
+        if bad:
+            raise ValueError(f"api_key_digests must be SHA-256 hex digests (64 characters): {bad}")
+        return out
     layout: Literal["colocated", "split"] = Field(
         "colocated",
         description=(
@@ -139,10 +158,32 @@ class ServingConfig(_Section):
     )
 
     def resolved_api_keys(self) -> list[str]:
+        """The keys themselves: listed, from the env var and from the keys file."""
         keys = list(self.api_keys)
         extra = os.environ.get(self.api_keys_env, "")
         keys += [k.strip() for k in extra.split(",") if k.strip()]
+        if self.api_keys_file:
+            path = Path(self.api_keys_file).expanduser()
+            try:
+                lines = path.read_text().splitlines()
+            except OSError as e:
+                raise ValueError(f"serving.api_keys_file {str(path)!r} cannot be read: "
+                                 f"{e.strerror}") from None
+            keys += [k.strip() for k in lines if k.strip() and not k.startswith("#")]
         return keys
+
+    def bind_problem(self, host: str, where: str) -> str | None:
+        """Why binding ``host`` is refused: beyond loopback without any API key."""
+        if _is_loopback(host) or self.allow_remote_without_auth or self.key_digests():
+            return None
+        return (f"{where}={host!r} is reachable beyond loopback but no API key is set: set "
+                f"serving.api_keys, ${self.api_keys_env} or serving.api_keys_file, or "
+                "serving.allow_remote_without_auth")
+
+    def key_digests(self) -> list[str]:
+        """SHA-256 hex digests of every accepted key (what the ingress compares against)."""
+        digests = [hashlib.sha256(k.encode()).hexdigest() for k in self.resolved_api_keys()]
+        return list(dict.fromkeys(digests + list(self.api_key_digests)))
 
 
 class SessionsConfig(_Section):
@@ -213,6 +254,8 @@ class JudgeConfig(_Section):
     retries: int = Field(2, ge=0)
     opd_min_agree: int = Field(2, ge=1, description="Positive hint votes needed to use a hint.")
     hint_max_chars: int = Field(600, ge=1)
+    hint_min_chars: int = Field(
+        8, ge=1, description="Shorter hints are dropped ('ok', 'n/a': no instruction).")
 
 
 class BufferConfig(_Section):
@@ -520,11 +563,12 @@ class ClawRayConfig(_Section):
                             f"{inf.max_lora_rank})")
         if inf.engine == "vllm" and m.dtype == "float16" and m.device == "cpu":
             problems.append("vLLM on CPU serves float32 or bfloat16, not model.dtype='float16'")
-        if not _is_loopback(s.host) and not s.resolved_api_keys() and not s.allow_remote_without_auth:
-            problems.append(
-                f"serving.host={s.host!r} is reachable beyond loopback but no API key is set: "
-                f"set serving.api_keys or ${s.api_keys_env}, or serving.allow_remote_without_auth"
-            )
+        try:
+            problem = s.bind_problem(s.host, "serving.host")
+        except ValueError as e:  # an unreadable keys file
+            problem = str(e)
+        if problem:
+            problems.append(problem)
         if s.default_max_tokens > s.max_tokens_limit:
             problems.append("serving.default_max_tokens must not exceed serving.max_tokens_limit")
         if m.path != EMBEDDED_MODEL and not m.path.startswith("embedded:"):

@@ -53,6 +53,13 @@ class TurnRecord:
     # The policy version that sampled each response token (None in records written before
     # per-token versions: every token is then on policy_version).
     response_versions: list[int] | None = None
+    # Whose session (clawray/serve/session_meta.py): the API key's tenant id and the end user
+    # the client named; the session pipeline keys sessions by tenant, user and session id.
+    tenant: str = "local"
+    user: str | None = None
+
+    def session_key(self) -> str:
+        return session_key(self.tenant, self.user, self.session_id)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -60,6 +67,22 @@ class TurnRecord:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TurnRecord":
         return cls(**data)
+
+
+def namespace(tenant: str, user: str | None = None) -> str:
+    """The prefix of every session key of ``tenant`` (and ``user``): unambiguous, as a tenant id
+    has no ``|`` and the user's length is spelled out."""
+    return f"{tenant}|{len(user)}:{user}|" if user else f"{tenant}||"
+
+
+def session_key(tenant: str, user: str | None, session_id: str) -> str:
+    """A session's key in the session pipeline: unique across tenants and their users."""
+    return namespace(tenant, user) + session_id
+
+
+def tenant_prefix(tenant: str) -> str:
+    """The prefix every session key of ``tenant`` starts with, whichever its user."""
+    return f"{tenant}|"
 
 
 class RecordSink(Protocol):

@@ -39,6 +39,10 @@ SCHEMA = pa.schema(
         pa.field("kind", pa.string(), nullable=False),
         pa.field("source", pa.string(), nullable=False),
         pa.field("session_id", pa.string()),
+        # whose session (live rows): the API key's tenant id and the end user the client named;
+        # older logs without these columns read them as null
+        pa.field("tenant", pa.string()),
+        pa.field("user", pa.string()),
         pa.field("turn", pa.int32()),
         pa.field("trajectory_id", pa.string()),
         pa.field("task_id", pa.string()),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.common import API_KEY, Served, free_port
+from tests.support.common import API_KEY, OTHER_KEY, Served, free_port
 
 RLA_NOTEBOOK_TEST = "test_rlanything_notebook"
 RLA_WARM_STARTS = pytest.StashKey[tuple]()  # (the background build, its log file)
@@ -102,7 +102,7 @@ def _serve_app(name: str, route: str, tmp_path_factory, **inference) -> Served:
     samples = tmp_path_factory.mktemp(f"samples-{name}")
     cfg = (ClawRayConfig()
            .inference(max_running=16, **inference)
-           .serving(api_keys=[API_KEY], record_sink=["jsonl", "hub"], records_path=str(records),
+           .serving(api_keys=[API_KEY, OTHER_KEY], record_sink=["jsonl", "hub"], records_path=str(records),
                     max_body_bytes=400_000, max_tokens_limit=100_000, default_max_tokens=32)
            .sessions(num_hubs=2, idle_timeout_s=6, feedback_window_s=3, flush_interval_s=0.2)
            .judge(num_voters=2, timeout_s=20)

@@ -143,6 +143,19 @@ def cmd_rla_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_key_digest(args: argparse.Namespace) -> int:
+    import hashlib
+
+    from clawray.serve.auth import tenant_of_digest
+
+    key = sys.stdin.readline().strip()
+    if not key:
+        raise ConfigError("give the key on stdin, e.g. `printenv MY_KEY | clawray key-digest`")
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    print(f"{digest}  tenant {tenant_of_digest(digest)}")
+    return 0
+
+
 def _prebuild(cfg: ClawRayConfig) -> None:
     """Build the embedded model in this process, with progress, before replicas need it."""
     if cfg.model_cfg.path.startswith("embedded:"):
@@ -164,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("build-model", help="build the embedded tiny model").set_defaults(
         fn=cmd_build_model)
     sub.add_parser("samples", help="inspect the sample log (stats, head)")
+    p = sub.add_parser("key-digest", help="print an API key's SHA-256 digest and tenant id "
+                       "(for serving.api_key_digests: a YAML that holds no key); reads the "
+                       "key from stdin")
+    p.set_defaults(fn=cmd_key_digest)
     p = sub.add_parser("sft", help="warm-start the policy on expert demonstrations")
     p.add_argument("-c", "--config", help="clawray YAML (environments:, sft: sections)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -166,7 +166,13 @@ async def gather_outputs(stream: AsyncIterator[TokenDelta], n: int) -> list[Toke
 
 
 class EngineError(RuntimeError):
-    """An engine could not serve a request for a reason the client should see (e.g. length)."""
+    """An engine could not serve a request for a reason the client should see (e.g. length):
+    HTTP 400; a retry of the same request fails the same way."""
+
+
+class EngineInternalError(EngineError):
+    """The engine failed a request for a reason of its own (a failed step, an internal vLLM
+    error, inconsistent output): HTTP 500, which clients retry."""
 
 
 class EngineUnavailable(EngineError):

@@ -17,6 +17,7 @@ from clawray.inference.engine import (
     EngineError,
     EngineOverloaded,
     EngineStatus,
+    EngineUnavailable,
     SamplingParams,
     TokenDelta,
     TokenOutput,
@@ -76,7 +77,7 @@ class FixedLatencyEngine:
 
     async def _run(self, prompt_ids: list[int], params: SamplingParams) -> list[TokenOutput]:
         if self._closed:
-            raise EngineError("the engine is shut down")
+            raise EngineUnavailable("the engine is shut down")
         check_prompt_fits(len(prompt_ids), self.max_model_len)
         if self.max_running is not None and self._running >= self.max_running:
             raise EngineOverloaded(

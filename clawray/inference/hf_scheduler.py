@@ -25,7 +25,14 @@ from typing import Callable
 
 import torch
 
-from clawray.inference.engine import EngineError, EngineOverloaded, SamplingParams, TokenDelta
+from clawray.inference.engine import (
+    EngineError,
+    EngineInternalError,
+    EngineOverloaded,
+    EngineUnavailable,
+    SamplingParams,
+    TokenDelta,
+)
 from clawray.inference.kv_cache import KV, PaddedBatch, cache_keyword, cache_tensors, make_cache
 from clawray.inference.sampling import RowSampling, StopMatcher, make_generator, sample_rows
 
@@ -130,7 +137,7 @@ class Scheduler:
             raise EngineError(f"n={req.n} exceeds the engine's max_running={self.max_running}")
         with self._cv:
             if self._stopping:
-                raise EngineError("the engine is shut down")
+                raise EngineUnavailable("the engine is shut down")
             if not self._waiting and self._reserved + req.n <= self.max_running:
                 self._reserve_locked(req)
             elif len(self._waiting) < self.max_waiting:
@@ -158,7 +165,7 @@ class Scheduler:
         """Run ``fn`` on the scheduler thread before the next step; report through ``done``."""
         with self._cv:
             if self._stopping:
-                raise EngineError("the engine is shut down")
+                raise EngineUnavailable("the engine is shut down")
             self._jobs.append((fn, done))
             self._cv.notify()
 
@@ -228,13 +235,13 @@ class Scheduler:
                 except Exception as exc:
                     logger.exception("scheduler step failed; failing every in-flight request")
                     for req in self._active():
-                        self._fail(req, EngineError(f"engine step failed: {exc!r}"))
+                        self._fail(req, EngineInternalError(f"engine step failed: {exc!r}"))
         with self._cv:
             left = list(self._waiting) + self._admitted
             self._waiting.clear()
             self._admitted = []
         for req in left + self._active():
-            self._fail(req, EngineError("the engine was shut down"))
+            self._fail(req, EngineUnavailable("the engine was shut down"))
 
     def _active(self) -> list[Request]:
         reqs = {id(r): r for r in self._prefilling}
@@ -289,7 +296,7 @@ class Scheduler:
                 try:
                     budget -= self._prefill_chunk(req, budget)
                 except Exception as exc:
-                    self._fail(req, EngineError(f"prefill failed: {exc!r}"))
+                    self._fail(req, EngineInternalError(f"prefill failed: {exc!r}"))
             self._prefill_time, self._decode_time = time.perf_counter() - started, 0.0
         started = time.perf_counter()
         self._decode_step()
@@ -357,7 +364,7 @@ class Scheduler:
             ids, lps = sample_rows(logits, [s.sampling for s in batch])
         except Exception as exc:
             for req in {id(s.req): s.req for s in batch}.values():
-                self._fail(req, EngineError(f"decode step failed: {exc!r}"))
+                self._fail(req, EngineInternalError(f"decode step failed: {exc!r}"))
             return
         by_req: dict[int, tuple[Request, list[TokenDelta]]] = {}
         for seq, kv, tok, lp in zip(batch, kvs, ids, lps):
@@ -409,7 +416,7 @@ class Scheduler:
             try:
                 stop_string = seq.stop.check(seq.token_ids)
             except Exception as exc:  # a broken detokenizer fails this request only
-                self._fail(req, EngineError(f"stop-string check failed: {exc!r}"))
+                self._fail(req, EngineInternalError(f"stop-string check failed: {exc!r}"))
                 return delta
         is_eos = token in self.eos_ids and not (req.params is not None and req.params.ignore_eos)
         if is_eos or stop_string is not None:

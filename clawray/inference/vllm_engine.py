@@ -34,6 +34,7 @@ import torch
 
 from clawray.inference.engine import (
     EngineError,
+    EngineInternalError,
     EngineOverloaded,
     EngineStatus,
     EngineUnavailable,
@@ -207,11 +208,11 @@ def map_finish_reason(reason: str | None) -> FinishReason | None:
     if reason is None:
         return None
     if reason == "error":
-        raise EngineError("vLLM failed this request with an internal error; retry it")
+        raise EngineInternalError("vLLM failed this request with an internal error; retry it")
     try:
         return _FINISH_REASONS[reason]
     except KeyError:
-        raise EngineError(f"vLLM reported an unknown finish reason {reason!r}") from None
+        raise EngineInternalError(f"vLLM reported an unknown finish reason {reason!r}") from None
 
 
 def stop_string_of(stop_reason: int | str | None) -> str | None:
@@ -221,7 +222,7 @@ def stop_string_of(stop_reason: int | str | None) -> str | None:
 
 def _token_logprob(position: Mapping[int, Any] | None, token_id: int, where: str) -> float:
     if position is None or token_id not in position:
-        raise EngineError(f"vLLM returned no log-prob for token {token_id} at {where}")
+        raise EngineInternalError(f"vLLM returned no log-prob for token {token_id} at {where}")
     entry = position[token_id]
     return float(getattr(entry, "logprob", entry))  # vllm.logprobs.Logprob, or a plain float
 
@@ -237,7 +238,7 @@ def sampled_logprobs(token_ids: Sequence[int], logprobs: Sequence[Any] | None) -
         return []
     have = 0 if logprobs is None else len(logprobs)
     if logprobs is None or have < len(token_ids):
-        raise EngineError(f"vLLM returned {have} log-probs for {len(token_ids)} tokens")
+        raise EngineInternalError(f"vLLM returned {have} log-probs for {len(token_ids)} tokens")
     offset = have - len(token_ids)
     return [
         _token_logprob(logprobs[offset + i], t, f"output position {i}")
@@ -254,7 +255,7 @@ def response_prompt_logprobs(
     """
     have = 0 if prompt_logprobs is None else len(prompt_logprobs)
     if prompt_logprobs is None or have != len(token_ids):
-        raise EngineError(f"vLLM returned {have} prompt log-probs for {len(token_ids)} tokens")
+        raise EngineInternalError(f"vLLM returned {have} prompt log-probs for {len(token_ids)} tokens")
     start = len(token_ids) - num_response
     if start < 1:
         raise EngineError("the response must follow at least one prompt token")
@@ -458,7 +459,7 @@ class VLLMEngine:
         async with aclosing(self.generate_stream(prompt_ids, params)) as stream:
             outputs = await gather_outputs(stream, params.n)
         if any(o.policy_version < 0 for o in outputs):
-            raise EngineError("vLLM ended a request without its final output")
+            raise EngineInternalError("vLLM ended a request without its final output")
         return outputs
 
     async def generate_stream(
@@ -517,7 +518,7 @@ class VLLMEngine:
             async for final in outputs:
                 pass
         if final is None:
-            raise EngineError("vLLM ended a prompt-log-prob request without output")
+            raise EngineInternalError("vLLM ended a prompt-log-prob request without output")
         return response_prompt_logprobs(final.prompt_logprobs, token_ids, len(response_ids))
 
     async def load_weights(self, state_dict: dict, policy_version: int) -> None:

@@ -18,7 +18,7 @@ class JudgeJob:
     history: list[dict[str, Any]]
     request: list[dict[str, Any]]
     next_state: list[dict[str, Any]]
-    hint_messages: list[dict[str, Any]]  # the prompt messages without the ephemeral tail
+    hint_messages: list[dict[str, Any]]  # the student's prompt messages, as served
 
 
 @dataclasses.dataclass

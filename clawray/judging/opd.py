@@ -44,10 +44,12 @@ def is_ephemeral_context(msg: dict[str, Any]) -> bool:
         OPENCLAW_CONTEXT_START)
 
 
-def select_hint(parsed: Sequence[tuple[int | None, str | None]], min_agree: int) -> str | None:
+def select_hint(parsed: Sequence[tuple[int | None, str | None]], min_agree: int,
+                min_chars: int = 1) -> str | None:
     """The hint to distill from, or None.
 
-    Rule: the accepted hints are those of votes that are +1 *and* carry a non-empty hint. With
+    Rule: the accepted hints are those of votes that are +1 *and* carry a hint of at least
+    ``min_chars`` characters (a few characters hold no instruction: "ok", "-"). With
     fewer than ``min_agree`` accepted hints there is no consensus that the next state holds
     useful hindsight, so no hint. Otherwise the medoid wins: the hint with the highest mean
     word-level Jaccard similarity to the other accepted hints (the one the voters agree with
@@ -56,7 +58,8 @@ def select_hint(parsed: Sequence[tuple[int | None, str | None]], min_agree: int)
     """
     if min_agree < 1:
         raise ValueError(f"min_agree must be >= 1, got {min_agree}")
-    hints = [h for vote, h in parsed if vote == 1 and h and h.strip()]
+    hints = [h.strip() for vote, h in parsed
+             if vote == 1 and h and len(h.strip()) >= max(1, min_chars)]
     if len(hints) < min_agree:
         return None
     if len(hints) == 1:

@@ -21,6 +21,7 @@ from clawray.judging.prompts import (
     EXAMPLES_START,
     render_history,
     render_reply,
+    tool_names,
 )
 
 STEP_RM_SYSTEM = f"""You are a step-wise reward model. You judge ONE action of an agent that \
@@ -57,9 +58,7 @@ def build_step_rm_prompt(task_text: str, history: list[dict[str, Any]], action_t
     in ``max_history_chars`` are shown. Over-long messages, action and observation keep their
     head and tail (``max_message_chars``).
     """
-    names = {c["id"]: c.get("function", c).get("name", "a tool")
-             for m in history if m.get("role") == "assistant"
-             for c in (m.get("tool_calls") or []) if c.get("id")}
+    names = tool_names(history)
     earlier = render_history(history, names, max_history_chars, max_message_chars)
     observation = (render_reply(next_observation, [], max_message_chars)
                    if next_observation and next_observation.strip() else "(no observation)")

@@ -93,7 +93,7 @@ class VoterPool:
         if not texts:
             return
         hint = select_hint([parse_hint_vote(t, self.cfg.hint_max_chars) for t in texts],
-                           self.cfg.opd_min_agree)
+                           self.cfg.opd_min_agree, self.cfg.hint_min_chars)
         if hint is None:
             return
         self.counters["hints"] += 1

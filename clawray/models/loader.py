@@ -159,3 +159,26 @@ def judge_model_info(cfg: ClawRayConfig) -> ModelInfo:
     the embedded default)."""
     path = judge_model_path(cfg) or cfg.model_cfg.path
     return ModelInfo.from_path(resolve_model_path(path, seed=cfg.model_cfg.seed))
+
+
+def check_teacher_tokenizer(cfg: ClawRayConfig) -> None:
+    """OPD and Combine score the policy's sampled token ids under the judge model: with a
+    separate judge model (a JudgeServer on ``judge_model_path``), its tokenizer must be the
+    policy's, or every teacher log-prob belongs to another token. Raises ``ModelLoadError``."""
+    from clawray.config import ConfigError
+
+    kinds = set(cfg.sessions_cfg.sample_kinds) & {"opd", "combine"}
+    judge = judge_model_path(cfg)
+    if not kinds or cfg.judge_cfg.backend != "server" or not judge:
+        return
+    policy = resolve_model_path(cfg.model_cfg.path, seed=cfg.model_cfg.seed)
+    judge_dir = resolve_model_path(judge, seed=cfg.model_cfg.seed)
+    if policy.resolve() == judge_dir.resolve():
+        return
+    a, b = load_tokenizer(policy), load_tokenizer(judge_dir)
+    if a.get_vocab() != b.get_vocab() or a.all_special_ids != b.all_special_ids:
+        raise ConfigError(
+            f"sessions.sample_kinds has {sorted(kinds)}, which score the policy's token ids "
+            f"under the judge model, but the judge model {str(judge_dir)!r} has another "
+            f"tokenizer than the policy {str(policy)!r} (vocabularies differ): use a judge of "
+            "the policy's family, or sample_kinds [rl]")

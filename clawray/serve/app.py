@@ -12,6 +12,11 @@ The app holds a ``JudgeServer`` when something calls it: the live PRM judge
 (``training.mode: rlanything`` with ``rlanything.rm_backend: server``; its model is
 ``judge_model_path``). Callers reach it with
 ``serve.get_deployment_handle("JudgeServer", app_name=app)``.
+
+Security: deployments receive the SHA-256 digests of the API keys, never the keys (init args
+are visible in ``serve status`` and the dashboard); and the app is refused when the running
+Serve instance binds beyond loopback (``http_options.host`` of a Serve config, or
+``serve.start``) while no key is set — the same rule ``serving.host`` is checked by.
 """
 
 from __future__ import annotations
@@ -22,10 +27,35 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from clawray.config import ClawRayConfig
+from clawray.models.loader import check_teacher_tokenizer
 from clawray.serve.judge_server import JudgeServer
 from clawray.serve.ingress import Ingress
 from clawray.serve.policy_server import PolicyServer
 from clawray.serve.routing import ROUTER_CLASS
+
+
+def deployment_args(cfg: ClawRayConfig) -> dict[str, Any]:
+    """The config the deployments receive: keys replaced by their digests."""
+    data = cfg.to_dict()
+    serving = data["serving"]
+    serving.update(api_keys=[], api_keys_file=None, api_key_digests=cfg.serving_cfg.key_digests())
+    return data
+
+
+def serve_http_host() -> str | None:
+    """The host the running Serve instance's HTTP proxy (and direct ingress) binds, if one runs
+    (``serve run config.yaml`` starts it from the YAML's ``http_options`` first)."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    try:
+        from ray.serve.context import _get_global_client
+
+        client = _get_global_client(raise_if_no_controller_running=False)
+        return None if client is None else str(client.http_config.host)
+    except Exception:  # noqa: BLE001 - a private API: without it, serving.host's check stands
+        return None
 
 
 def build_app(args: dict[str, Any] | ClawRayConfig | None = None) -> Application:
@@ -37,7 +67,12 @@ def build_app(args: dict[str, Any] | ClawRayConfig | None = None) -> Application
         cfg = ClawRayConfig.from_dict(args or {})
     cfg.validate()
     s = cfg.serving_cfg
-    data = cfg.to_dict()
+    host = serve_http_host()
+    problem = s.bind_problem(host, "Serve's http_options.host") if host is not None else None
+    if problem:
+        raise ValueError(problem)
+    check_teacher_tokenizer(cfg)
+    data = deployment_args(cfg)
     actor = {"num_cpus": s.replica_num_cpus, "num_gpus": s.replica_num_gpus}
     ingress = Ingress.options(num_replicas=s.ingress_replicas,
                               max_ongoing_requests=s.max_ongoing_requests)

@@ -19,7 +19,10 @@ from typing import Any, AsyncIterator, Mapping, Protocol
 from clawray.config import ServingConfig
 from clawray.inference.engine import (
     EngineError,
+    EngineInternalError,
+    EngineOverloaded,
     EngineStatus,
+    EngineUnavailable,
     SamplingParams,
     TokenDelta,
     TokenOutput,
@@ -94,7 +97,8 @@ class ChatService:
 
     # ---------------------------------------------------------------- preparing a turn
     async def prepare(
-        self, req: ChatCompletionRequest, headers: Mapping[str, str], body_fields: Mapping[str, Any]
+        self, req: ChatCompletionRequest, headers: Mapping[str, str],
+        body_fields: Mapping[str, Any], tenant: str = "local",
     ) -> PreparedTurn:
         started_at = time.time()
         if req.model not in (None, "", self.served_model):
@@ -108,7 +112,7 @@ class ChatService:
         max_tokens = self._max_tokens(req)
         messages = normalize_messages(req.messages)
         tools = normalize_tools(req.tools)
-        meta = session_meta(headers, body_fields, messages, self.cfg.default_turn_type)
+        meta = session_meta(headers, body_fields, messages, self.cfg.default_turn_type, tenant)
         prompt_ids = await asyncio.to_thread(self._template, messages, tools)
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
@@ -163,7 +167,7 @@ class ChatService:
     # ---------------------------------------------------------------- non-streaming
     async def complete(self, turn: PreparedTurn) -> dict[str, Any]:
         outputs = await self._engine_call(self.policy.generate(
-            turn.prompt_ids, turn.params, session_key=turn.meta.session_id))
+            turn.prompt_ids, turn.params, session_key=turn.meta.key))
         choices, completion_tokens = [], 0
         for out in sorted(outputs, key=lambda o: o.index):
             text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
@@ -200,7 +204,7 @@ class ChatService:
         completion_tokens = 0
         cached = None
         source = self.policy.stream(turn.prompt_ids, turn.params,
-                                    session_key=turn.meta.session_id)
+                                    session_key=turn.meta.key)
         deltas = _errors_as_api(source)
         # Wait for the first token before the first byte, so engine errors (overload, length)
         # still become a proper HTTP error status in the ingress.
@@ -233,8 +237,8 @@ class ChatService:
                             "created": turn.created, "model": turn.model, "choices": [],
                             "usage": _usage(len(turn.prompt_ids), completion_tokens, cached)})
             yield "data: [DONE]\n\n"
-        except APIError as e:  # headers are already sent: report in-band, then end the stream
-            yield _sse(e.body())
+        except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, end the stream
+            yield _sse(_api_error_of(e).body())
             yield "data: [DONE]\n\n"
         finally:
             await _aclose(deltas)
@@ -261,7 +265,7 @@ class ChatService:
     async def _engine_call(self, coro: Any) -> Any:
         try:
             return await coro
-        except EngineError as e:
+        except Exception as e:  # noqa: BLE001 - every failure reaches the client as an API error
             raise _api_error_of(e) from None
 
     # ---------------------------------------------------------------- records
@@ -292,6 +296,8 @@ class ChatService:
             started_at=turn.started_at,
             retry=turn.meta.retry,
             response_versions=list(versions),
+            tenant=turn.meta.tenant,
+            user=turn.meta.user,
         )
         try:
             self.sink.put(record)
@@ -370,23 +376,52 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _api_error_of(e: EngineError) -> APIError:
-    name = type(e).__name__
-    if name == "EngineOverloaded":
-        return APIError(429, f"the server is overloaded, retry shortly: {e}",
+def _api_error_of(e: BaseException) -> APIError:
+    """The HTTP error of a failed engine call: the client's fault is 400 (a retry fails the
+    same way); everything else is retryable: overload 429, an engine (or, split, a PolicyServer
+    replica) that cannot serve 503, an internal failure 500 — each with OpenAI's error object,
+    and ``Retry-After`` where waiting helps. Ray re-raises a replica's exception as a subclass
+    of it (``RayTaskError(EngineOverloaded)``), so ``isinstance`` sees through the hop."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineOverloaded):
+        return APIError(429, f"the server is overloaded, retry shortly: {_cause(e)}",
                         type="server_error", code="server_overloaded", headers={"Retry-After": "1"})
-    if name == "EngineUnavailable":
-        return APIError(503, f"the model server cannot serve right now: {e}",
+    if isinstance(e, EngineUnavailable) or _ray_unavailable(e):
+        return APIError(503, f"the model server cannot serve right now: {_cause(e)}",
                         type="server_error", code="engine_unavailable",
                         headers={"Retry-After": "5"})
-    return APIError(400, str(e), code="engine_error")
+    if isinstance(e, EngineInternalError):
+        return APIError(500, f"the engine failed this request, retry it: {_cause(e)}",
+                        type="server_error", code="engine_error")
+    if isinstance(e, EngineError):
+        return APIError(400, _cause(e), code="engine_error")
+    logger.error("request failed with an internal error", exc_info=e)
+    return APIError(500, f"internal error ({type(e).__name__}); retry the request",
+                    type="server_error", code="internal_error")
+
+
+def _cause(e: BaseException) -> str:
+    """The message of an engine error, without Ray's traceback wrapper around it."""
+    cause = getattr(e, "cause", None)
+    return str(cause if isinstance(cause, BaseException) else e)
+
+
+def _ray_unavailable(e: BaseException) -> bool:
+    """A Serve handle call that found no live replica, a dead actor or a full queue."""
+    try:
+        import ray.exceptions as rex
+        from ray.serve.exceptions import BackPressureError
+    except ImportError:  # no Ray: nothing of Ray's to recognize
+        return False
+    return isinstance(e, (rex.RayActorError, rex.ActorUnavailableError, BackPressureError))
 
 
 async def _errors_as_api(source: AsyncIterator[TokenDelta]) -> AsyncIterator[TokenDelta]:
     try:
         async for item in source:
             yield item
-    except EngineError as e:
+    except Exception as e:  # noqa: BLE001 - every failure reaches the client as an API error
         raise _api_error_of(e) from None
 
 

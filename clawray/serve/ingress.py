@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from clawray.config import ClawRayConfig
 from clawray.inference.engine import SamplingParams, TokenOutput
 from clawray.models.loader import load_tokenizer, policy_model_info
-from clawray.records import GatedSink, RecordSink, TeeSink, make_sink
+from clawray.records import GatedSink, RecordSink, TeeSink, make_sink, session_key
 from clawray.serve.auth import KeyChecker
 from clawray.serve.chat import ChatService
 from clawray.serve.policy_server import HandlePolicy, LocalPolicy, PolicyCore
@@ -45,6 +45,14 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def internal_error(what: str) -> JSONResponse:
+    """500 with OpenAI's error object for an unexpected failure (logged with its traceback);
+    the message names no internals beyond the exception's type."""
+    logger.exception("%s failed with an internal error", what)
+    return error_response(APIError(500, f"{what} failed with an internal error; retry the "
+                                   "request", type="server_error", code="internal_error"))
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -84,7 +92,7 @@ class IngressCore:
             self.core.receiver if self.core is not None else start_receiver(None))
         self.app_name = app_name
         self.info = info
-        self.keys = KeyChecker(s.resolved_api_keys())
+        self.keys = KeyChecker(s.key_digests())
         self.hub_sink: Any = None
         sinks: list[RecordSink] = []
         for kind in s.record_sink:
@@ -103,31 +111,38 @@ class IngressCore:
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            self.keys.check(request.headers)
+            tenant = self.keys.check(request.headers)
             raw = await read_body(request, self.cfg.serving_cfg.max_body_bytes)
             req, body_fields = parse_request(raw)
-            turn = await self.service.prepare(req, request.headers, body_fields)
+            turn = await self.service.prepare(req, request.headers, body_fields, tenant)
             if not req.stream:
                 return JSONResponse(await self.service.complete(turn))
             events = self.service.stream(turn)
             first = await anext(events)  # engine errors surface here, before any byte is sent
         except APIError as e:
             return error_response(e)
+        except Exception:  # a bug of ours: the client still gets OpenAI's error object
+            return internal_error("chat completion")
         return StreamingResponse(_prepend(first, events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def feedback(self, request: Request) -> Response:
         try:
-            self.keys.check(request.headers)
+            tenant = self.keys.check(request.headers)
             raw = await read_body(request, 64_000)
             fb = parse_feedback(raw)
             if self.hub_sink is None:
                 raise APIError(400, "feedback needs the session pipeline: add 'hub' to "
                                "serving.record_sink", code="feedback_disabled")
-            result = await self.hub_sink.feedback(fb.value(), fb.text, fb.response_id,
-                                                  fb.session_id)
+            user = fb.user or request.headers.get("x-user-id") or None
+            # Only this key's sessions and turns: another tenant's look exactly like none (404).
+            result = await self.hub_sink.feedback(
+                fb.value(), fb.text, fb.response_id,
+                session_key(tenant, user, fb.session_id) if fb.session_id else None, tenant)
         except APIError as e:
             return error_response(e)
+        except Exception:  # e.g. a session hub restarting: retryable
+            return internal_error("feedback")
         what = f"response '{fb.response_id}'" if fb.response_id else f"session '{fb.session_id}'"
         if result["status"] == "unknown":
             return error_response(APIError(404, f"no live turn or session matches {what}",
@@ -140,7 +155,7 @@ class IngressCore:
                 "turn being judged", code="feedback_too_late"))
         return JSONResponse({"object": "feedback", "status": "applied", "rating": fb.value(),
                              "response_id": result.get("response_id"),
-                             "session_id": result.get("session_id"),
+                             "session_id": result.get("client_session_id"),
                              "turns": result.get("turns", 0)})
 
     async def models(self, request: Request) -> Response:

@@ -16,7 +16,27 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 # Body fields that carry session metadata (see session_meta.py); never generated on.
-SESSION_BODY_FIELDS = ("session_id", "turn_type", "session_done", "prompt_cache_key")
+SESSION_BODY_FIELDS = ("session_id", "turn_type", "session_done", "prompt_cache_key", "user")
+MAX_ID_CHARS = 500  # session ids and user ids
+# Fields OpenAI (and vLLM) accept as null, meaning "the default".
+NULL_MEANS_DEFAULT = ("stream", "stream_options", "temperature", "top_p", "n", "stop", "seed",
+                      "max_tokens", "max_completion_tokens", "tools", "tool_choice",
+                      "ignore_eos", "model")
+# Fields this server does not implement yet, and the values that ask for nothing: any other
+# value is refused with a 400 naming the field instead of being silently ignored.
+UNSUPPORTED = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None, True),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+}
 
 
 class APIError(Exception):
@@ -125,6 +145,17 @@ def parse_request(raw: bytes) -> tuple[ChatCompletionRequest, dict[str, Any]]:
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
     session_fields = {k: data.pop(k) for k in SESSION_BODY_FIELDS if k in data}
+    for name in ("session_id", "user", "prompt_cache_key"):
+        _check_id(session_fields.get(name), name)
+    for name in NULL_MEANS_DEFAULT:
+        if name in data and data[name] is None:
+            del data[name]
+    for name, nothing in UNSUPPORTED.items():
+        if name in data and not any(data[name] == v and type(data[name]) is type(v)
+                                    for v in nothing):
+            raise APIError(400, f"'{name}' is not supported by this server yet (send it "
+                           f"{_nothing(nothing)} or leave it out)", param=name,
+                           code="unsupported_parameter")
     if "messages" not in data:
         raise APIError(400, "'messages' is required", param="messages")
     try:
@@ -134,6 +165,20 @@ def parse_request(raw: bytes) -> tuple[ChatCompletionRequest, dict[str, Any]]:
         loc = ".".join(str(x) for x in err["loc"])
         raise APIError(400, f"invalid value for '{loc}': {err['msg']}", param=loc) from None
     return req, session_fields
+
+
+def _nothing(values: tuple[Any, ...]) -> str:
+    shown = [json.dumps(v) for v in values]
+    return " or ".join(shown)
+
+
+def _check_id(value: Any, name: str) -> None:
+    if value is None:
+        return
+    if not isinstance(value, (str, int)) or isinstance(value, bool):
+        raise APIError(400, f"'{name}' must be a string", param=name)
+    if len(str(value)) > MAX_ID_CHARS:
+        raise APIError(400, f"'{name}' is longer than {MAX_ID_CHARS} characters", param=name)
 
 
 def normalize_messages(messages: list[Message]) -> list[dict[str, Any]]:
@@ -204,7 +249,9 @@ class FeedbackRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     response_id: str | None = Field(None, max_length=200)
-    session_id: str | None = Field(None, max_length=500)
+    session_id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    # the end user whose session it is, when requests named one (``user`` / ``X-User-Id``)
+    user: str | None = Field(None, max_length=MAX_ID_CHARS)
     rating: Literal["up", "down"] | int
     text: str | None = Field(None, max_length=8000)
 

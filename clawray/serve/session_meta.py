@@ -14,6 +14,14 @@ Sources, first match wins (OpenClaw-RL's protocol plus OpenClaw's session-affini
 - retry: the client says the request repeats an earlier one (the OpenAI SDKs send
   ``x-stainless-retry-count``; ``X-Retry: 1`` works for others). A retry is never taken for the
   user regenerating a reply.
+- user: OpenAI's ``user`` body field or an ``X-User-Id`` header, for apps that serve many end
+  users through one API key (a proxy): each user's sessions are a namespace of their own.
+
+Namespaces: every session lives in the namespace of the request's tenant (its API key, see
+``auth.py``) and user. The session pipeline keys sessions by ``SessionMeta.key`` (namespace +
+session id), so a client can address, end and rate only the sessions its own key created, and two
+tenants (or two users of one tenant) that send the same session id, or open with the same
+messages, never share a session. Records keep the client's session id next to tenant and user.
 """
 
 from __future__ import annotations
@@ -22,6 +30,9 @@ import dataclasses
 import hashlib
 import json
 from typing import Any, Mapping
+
+from clawray.records import session_key
+from clawray.serve.protocol import MAX_ID_CHARS, APIError
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -33,6 +44,13 @@ class SessionMeta:
     turn_type: str
     session_done: bool
     retry: bool = False
+    tenant: str = "local"
+    user: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The session's key in the pipeline: unique across tenants and users."""
+        return session_key(self.tenant, self.user, self.session_id)
 
 
 def session_meta(
@@ -40,6 +58,7 @@ def session_meta(
     body_fields: Mapping[str, Any],
     messages: list[dict[str, Any]],
     default_turn_type: str,
+    tenant: str = "local",
 ) -> SessionMeta:
     """Resolve the metadata of one request; ``headers`` must be case-insensitive."""
     candidates = [
@@ -54,8 +73,14 @@ def session_meta(
         if value not in (None, ""):
             session_id, source = str(value), src
             break
+    user = body_fields.get("user") or headers.get("x-user-id") or None
+    user = str(user) if user is not None else None
+    for name, value in (("session id", session_id), ("user", user)):
+        if value is not None and len(value) > MAX_ID_CHARS:
+            raise APIError(400, f"the {name} is longer than {MAX_ID_CHARS} characters",
+                           param="session_id" if name == "session id" else "user")
     if session_id is None:
-        session_id = derive_session_key(messages)
+        session_id = derive_session_key(messages, tenant, user)
 
     turn_type = headers.get("x-turn-type") or body_fields.get("turn_type") or default_turn_type
     turn_type = str(turn_type).strip().lower()
@@ -65,17 +90,21 @@ def session_meta(
     done_raw = headers.get("x-session-done", body_fields.get("session_done", False))
     retry_count = str(headers.get("x-stainless-retry-count", "0")).strip()
     retry = (retry_count.isdigit() and int(retry_count) > 0) or _truthy(headers.get("x-retry", ""))
-    return SessionMeta(session_id, source, turn_type, _truthy(done_raw), retry)
+    return SessionMeta(session_id, source, turn_type, _truthy(done_raw), retry, tenant, user)
 
 
-def derive_session_key(messages: list[dict[str, Any]]) -> str:
-    """A stable key from the first system message and the first user message."""
+def derive_session_key(messages: list[dict[str, Any]], tenant: str = "local",
+                       user: str | None = None) -> str:
+    """A stable key from the first system message and the first user message, of this tenant
+    and user (two tenants whose conversations open alike get different keys)."""
     first_system = next((m for m in messages if m["role"] == "system"), None)
     first_user = next((m for m in messages if m["role"] == "user"), None)
     basis = json.dumps(
         [
             first_system["content"] if first_system else None,
             first_user["content"] if first_user else None,
+            tenant,
+            user,
         ],
         ensure_ascii=False,
     )

@@ -25,8 +25,14 @@ from typing import Any
 
 from clawray.judging.jobs import JudgeJob, Verdict
 from clawray.judging.parse import aggregate
-from clawray.records import TurnRecord
-from clawray.sessions.matching import Fingerprinted, find_reply, rewinds, same_request
+from clawray.records import TurnRecord, tenant_prefix
+from clawray.sessions.matching import (
+    Fingerprinted,
+    conversation_turn,
+    find_reply,
+    rewinds,
+    same_request,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +92,6 @@ class _Session:
     session_id: str
     last_activity: float
     turns: dict[str, _Turn] = dataclasses.field(default_factory=dict)  # record_id → turn
-    counter: int = 0
     effective: int = 0  # emitted turns that carry gradient
     candidate: _Turn | None = None  # first zero-score turn, held for the at-least-one rule
     outcome: tuple[int, str | None] | None = None  # session-level feedback
@@ -108,7 +113,8 @@ class SessionCore:
         self.orphans: dict[int, tuple[_Turn, _Closed]] = {}  # job_id → turn of a released session
         self.jobs: dict[int, tuple[str, str]] = {}  # job_id → (session_id, record_id)
         self.seen: OrderedDict[str, None] = OrderedDict()  # recent record ids (retried puts)
-        self.emitted: OrderedDict[str, float] = OrderedDict()  # recent emitted ids → time
+        # recent emitted ids → (time, session key)
+        self.emitted: OrderedDict[str, tuple[float, str]] = OrderedDict()
         self.held: dict[str, str] = {}  # record_id → session_id of turns in their window
         self._job_ids = itertools.count(1)
         self._out_jobs: list[JudgeJob] = []
@@ -125,7 +131,7 @@ class SessionCore:
             self.counters["duplicates"] += 1
             return
         self._remember(self.seen, record.record_id, None, 4 * self.rules.max_sessions)
-        session = self._session(record.session_id, now)
+        session = self._session(record.session_key(), now)
         if record.turn_type != "main":
             self.counters["side_turns"] += 1
         else:
@@ -160,33 +166,51 @@ class SessionCore:
         self._judged(session, turn, verdict, now)
 
     def on_feedback(self, rating: int, text: str | None, now: float, *, record_id: str | None = None,
-                    session_id: str | None = None) -> dict[str, Any]:
-        """Explicit feedback for one turn (by response id) or a whole session.
+                    session_key: str | None = None, tenant: str | None = None) -> dict[str, Any]:
+        """Explicit feedback for one turn (by response id) or a whole session (by its key,
+        ``TurnRecord.session_key``).
 
         Returns ``{"status": "applied" | "sealed" | "unknown", ...}``: ``sealed`` when the turn
-        was already emitted (its sample is in the log), ``unknown`` when nothing matches.
+        was already emitted (its sample is in the log), ``unknown`` when nothing matches. With
+        ``tenant``, a turn or session of another tenant is ``unknown`` (never ``sealed``: the
+        answer must not reveal that it exists).
         """
         if rating not in (-1, 1):
             raise ValueError(f"rating must be -1 or 1, got {rating!r}")
+        mine = (lambda key: True) if tenant is None else (  # noqa: E731
+            lambda key: key.startswith(tenant_prefix(tenant)))
         if record_id is not None:
-            sid = self.index.get(record_id)
-            session = self.sessions.get(sid) if sid else None
+            key = self.index.get(record_id)
+            session = self.sessions.get(key) if key and mine(key) else None
             turn = session.turns.get(record_id) if session else None
-            if turn is None:
-                status = "sealed" if record_id in self.emitted else "unknown"
+            if turn is None:  # its session ended while its verdict is on the way
+                turn = next((t for t, _ in self.orphans.values()
+                             if t.record.record_id == record_id
+                             and mine(t.record.session_key())), None)
+                if turn is not None:
+                    turn.feedback = (rating, text)  # applied when the verdict arrives
+                    return {"status": "applied", "response_id": record_id,
+                            "session_id": turn.record.session_key(),
+                            "client_session_id": turn.record.session_id, "turns": 1}
+                emitted = self.emitted.get(record_id)
+                status = "sealed" if emitted is not None and mine(emitted[1]) else "unknown"
                 return {"status": status, "response_id": record_id}
             turn.feedback = (rating, text)
             if turn.finished is not None:
                 self._apply_feedback(turn)
-            return {"status": "applied", "response_id": record_id, "session_id": sid, "turns": 1}
-        session = self.sessions.get(session_id or "")
-        if session is None:
-            return {"status": "unknown", "session_id": session_id}
+            return {"status": "applied", "response_id": record_id, "session_id": key,
+                    "client_session_id": turn.record.session_id, "turns": 1}
+        session = self.sessions.get(session_key or "")
+        if session is None or not mine(session.session_id):
+            return {"status": "unknown", "session_id": session_key}
         session.outcome = (rating, text)
+        client_id = None
         for turn in session.turns.values():
+            client_id = turn.record.session_id
             if turn.finished is not None:
                 self._apply_feedback(turn, session)
-        return {"status": "applied", "session_id": session_id, "turns": len(session.turns)}
+        return {"status": "applied", "session_id": session_key, "client_session_id": client_id,
+                "turns": len(session.turns)}
 
     def tick(self, now: float) -> None:
         """Finalize idle sessions and release held turns whose feedback window has passed."""
@@ -236,8 +260,7 @@ class SessionCore:
                         and turn.record.finish_reason != "abort" and rewinds(turn.fp, new)):
                     self._finish(session, turn, "regenerated", now)
         # 4. register the new turn; a record that arrives late may already have its next state
-        session.counter += 1
-        turn = _Turn(new, session.counter)
+        turn = _Turn(new, conversation_turn(record))
         session.turns[record.record_id] = turn
         self.index[record.record_id] = session.session_id
         if record.finish_reason == "abort":
@@ -260,8 +283,10 @@ class SessionCore:
         history = real[:start]
         if self.rules.history_turns >= 0:
             history = history[max(0, len(history) - self.rules.history_turns):]
+        # The teacher (OPD) sees exactly what the student saw, ephemeral context included; the
+        # hint goes on the last real user message (opd.inject_hint).
         job = JudgeJob(next(self._job_ids), session.session_id, turn.record, history,
-                       real[start:], next_state, real)
+                       real[start:], next_state, msgs)
         turn.state = "judging"
         turn.finished = None
         turn.job_id = job.job_id
@@ -329,7 +354,8 @@ class SessionCore:
             if session.candidate is not None:  # the guarantee is no longer needed
                 cand, session.candidate = session.candidate, None
                 self._emit(session, cand)
-        self._remember(self.emitted, turn.record.record_id, fin.judged_at or 0.0,
+        self._remember(self.emitted, turn.record.record_id,
+                       (fin.judged_at or 0.0, turn.record.session_key()),
                        4 * self.rules.max_sessions)
         self.counters["emitted"] += 1
         self._out_done.append(fin)

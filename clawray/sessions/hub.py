@@ -60,10 +60,13 @@ class SessionHub:
         self._pump()
 
     async def feedback(self, rating: int, text: str | None = None, record_id: str | None = None,
-                       session_id: str | None = None) -> dict[str, Any]:
+                       session_key: str | None = None, tenant: str | None = None
+                       ) -> dict[str, Any]:
+        """Feedback for a turn (``record_id``) or a session (its key, ``TurnRecord.session_key``);
+        with ``tenant``, only that tenant's turns and sessions match."""
         self._start()
         result = self.core.on_feedback(rating, text, time.time(), record_id=record_id,
-                                       session_id=session_id)
+                                       session_key=session_key, tenant=tenant)
         self._pump()
         return result
 

@@ -6,6 +6,10 @@ whitespace, and ends every request with an ephemeral "internal context" user mes
 rebuilt each time and never kept in the history. So messages are compared by a canonical
 fingerprint that ignores ids, whitespace runs and JSON formatting, and a turn's reply is found
 by (reply, the message it answered) rather than by position from the end.
+
+Clients also rewrite the reply itself when they keep it: they strip ``<think>`` blocks, or drop
+the text next to tool calls. A turn's reply is recognized in any of those forms, so a normal
+continuation is never taken for a regenerate.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from typing import Any
 
 from clawray.records import TurnRecord
@@ -52,18 +57,41 @@ def reply_message(record: TurnRecord) -> dict[str, Any]:
     return msg
 
 
+_THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
+
+
+def reply_forms(record: TurnRecord) -> list[dict[str, Any]]:
+    """The reply as clients keep it: verbatim, without ``<think>`` blocks, and (with tool
+    calls) without the text next to them."""
+    msg = reply_message(record)
+    forms = [msg]
+    text = msg["content"]
+    bare = _THINK.sub("", text)
+    if bare != text:
+        forms.append({**msg, "content": bare})
+    if record.tool_calls and text.strip():
+        forms.append({**msg, "content": ""})
+    return forms
+
+
+def conversation_turn(record: TurnRecord) -> int:
+    """The turn's position in its conversation: 1 + the assistant messages before it (arrival
+    order does not matter, and two replies to one request share a position)."""
+    return 1 + sum(m.get("role") == "assistant" for m in record.messages)
+
+
 @dataclasses.dataclass
 class Fingerprinted:
     """A turn record with the fingerprints the matching needs, computed once."""
 
     record: TurnRecord
     hashes: list[bytes]
-    reply: bytes
+    replies: frozenset[bytes]  # every form of the reply a client may keep (reply_forms)
 
     @classmethod
     def of(cls, record: TurnRecord) -> "Fingerprinted":
         return cls(record, [fingerprint(m) for m in record.messages],
-                   fingerprint(reply_message(record)))
+                   frozenset(fingerprint(m) for m in reply_forms(record)))
 
     @property
     def request_start(self) -> int:
@@ -86,9 +114,11 @@ def find_reply(earlier: Fingerprinted, later: Fingerprinted) -> Match | None:
     """Where ``earlier``'s reply sits in ``later``'s history, and the messages after it.
 
     The reply must directly follow the message it answered: the earlier request's last message,
-    or, when that one was ephemeral (not kept), the one before it. The next state is every
-    message after the reply, minus a trailing ephemeral message when the client uses them.
-    An empty next state (the later request adds nothing after the reply) is no match.
+    or, when that one was ephemeral (not kept), the one before it. The next state is what
+    follows the reply up to the next assistant message (a later turn's reply is not part of
+    this turn's next state, whichever record arrives first), minus a trailing ephemeral
+    message when the client uses them and the request ends there. An empty next state (the
+    later request adds nothing after the reply) is no match.
     """
     hp, hr = earlier.hashes, later.hashes
     for j, ephemeral in ((len(hp), False), (len(hp) - 1, True)):
@@ -96,9 +126,13 @@ def find_reply(earlier: Fingerprinted, later: Fingerprinted) -> Match | None:
             continue
         answered = hp[j - 1]
         for i in range(len(hr) - 1, 0, -1):
-            if hr[i] == earlier.reply and hr[i - 1] == answered:
+            if hr[i] in earlier.replies and hr[i - 1] == answered:
                 after = later.record.messages[i + 1:]
-                if ephemeral and after and after[-1].get("role") == "user":
+                cut = next((k for k, m in enumerate(after) if m.get("role") == "assistant"),
+                           None)
+                if cut is not None:  # kept history: no ephemeral message before a reply
+                    after = after[:cut]
+                elif ephemeral and after and after[-1].get("role") == "user":
                     after = after[:-1]
                 if not after:
                     return None
@@ -125,7 +159,11 @@ def rewinds(earlier: Fingerprinted, later: Fingerprinted) -> bool:
     That is what a regenerate (same request again) or an edit (the request rewritten) looks
     like. Call it only when ``find_reply`` found no match.
     """
-    u = max(earlier.request_start, 1)
+    u = earlier.request_start
+    if u == 0:  # the conversation's first request, without a system prompt: the first message
+        # itself may be the edit; a later first-turn request (no reply kept) rewinds it
+        later_msgs = later.record.messages
+        return bool(later_msgs) and not any(m.get("role") == "assistant" for m in later_msgs)
     if len(later.hashes) < u or later.hashes[:u] != earlier.hashes[:u]:
         return False
-    return earlier.reply not in later.hashes[u:]
+    return not (earlier.replies & set(later.hashes[u:]))

@@ -31,8 +31,9 @@ class LivePipeline:
     voters: list[Any]
     hubs: list[Any]
 
-    def hub_for(self, session_id: str) -> Any:
-        return self.hubs[shard_of(session_id, len(self.hubs))]
+    def hub_for(self, session_key: str) -> Any:
+        """The hub of a session (its key: ``TurnRecord.session_key``)."""
+        return self.hubs[shard_of(session_key, len(self.hubs))]
 
     def flush(self, timeout_s: float = 60.0) -> None:
         """Finish in-flight judging and write every due row to the sample log (tests, demo).
@@ -93,21 +94,22 @@ class HubSink:
         self.pipeline = pipeline
 
     def put(self, record: TurnRecord) -> None:
-        ref = self.pipeline.hub_for(record.session_id).submit.remote(record.to_dict())
+        ref = self.pipeline.hub_for(record.session_key()).submit.remote(record.to_dict())
         ref.future().add_done_callback(lambda f: _log_failure(f, record))
 
     def close(self) -> None:
         pass
 
     async def feedback(self, rating: int, text: str | None, response_id: str | None,
-                       session_id: str | None) -> dict[str, Any]:
-        """Route feedback: by session to its hub, by response id to every hub (first wins)."""
+                       session_key: str | None, tenant: str) -> dict[str, Any]:
+        """Route feedback of ``tenant``: by session key to its hub, by response id to every hub
+        (first wins); a turn or session of another tenant is ``unknown``."""
         if response_id is None:
-            return await self.pipeline.hub_for(session_id or "").feedback.remote(
-                rating, text, None, session_id)
-        hubs = ([self.pipeline.hub_for(session_id)] if session_id else self.pipeline.hubs)
-        results = await asyncio.gather(*(h.feedback.remote(rating, text, response_id, None)
-                                         for h in hubs))
+            return await self.pipeline.hub_for(session_key or "").feedback.remote(
+                rating, text, None, session_key, tenant)
+        hubs = ([self.pipeline.hub_for(session_key)] if session_key else self.pipeline.hubs)
+        results = await asyncio.gather(*(h.feedback.remote(rating, text, response_id, None,
+                                                           tenant) for h in hubs))
         for status in ("applied", "sealed"):
             for r in results:
                 if r["status"] == status:
@@ -118,5 +120,5 @@ class HubSink:
 def _log_failure(future: Any, record: TurnRecord) -> None:
     exc = future.exception()
     if exc is not None:
-        logger.error("turn %s of session %s could not reach its session hub: %s",
-                     record.record_id, record.session_id, exc)
+        logger.error("turn %s of session %s (tenant %s) could not reach its session hub: %s",
+                     record.record_id, record.session_id, record.tenant, exc)

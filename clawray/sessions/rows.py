@@ -4,7 +4,8 @@ Per turn, for each kind in ``sessions.sample_kinds``:
 
 - ``rl`` (Binary RL): reward = the majority vote; ``loss_mask`` all 1 when the reward is
   non-zero, else all 0. Explicit feedback on the turn overrides the vote (the user is the
-  ground truth); a regenerated reply gets ``sessions.regenerate_reward``; an at-least-one row
+  ground truth) and the regenerate rule; a regenerated reply gets
+  ``sessions.regenerate_reward``; an at-least-one row
   gets the soft score (mean of valid votes). Session-level feedback fills ``outcome`` only.
   With ``sessions.reward_rule: rlanything`` the turn is one RLAnything step instead: its m
   PRM votes are the step scores and explicit feedback (on the turn, else on the session) is
@@ -31,12 +32,13 @@ from clawray.sessions.core import FinishedTurn, SessionRules, score_of
 
 
 def rl_reward(fin: FinishedTurn, rules: SessionRules) -> float:
-    if fin.status == "regenerated":
+    rated = fin.outcome_scope == "turn" and fin.outcome is not None
+    if fin.status == "regenerated" and not rated:  # the user's own rating outranks the rule
         return float(rules.regenerate_reward or 0.0)
     if rules.reward_rule == "rlanything":
         votes = fin.verdict.votes if fin.verdict is not None else []
         return live_turn_reward(fin.outcome, votes, rules.step_score_weight)
-    if fin.outcome_scope == "turn" and fin.outcome is not None:
+    if rated:
         return float(fin.outcome)
     if fin.status == "regenerated":
         return float(rules.regenerate_reward or 0.0)
@@ -57,6 +59,8 @@ def rows_of(fin: FinishedTurn, kinds: list[str], rules: SessionRules) -> list[di
     base = {
         "source": "live",
         "session_id": rec.session_id,
+        "tenant": rec.tenant,
+        "user": rec.user,
         "turn": fin.turn,
         "prompt_ids": rec.prompt_ids,
         "response_ids": rec.response_ids,

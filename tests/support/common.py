@@ -13,6 +13,20 @@ TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 FIXTURES = TESTS / "fixtures" / "openclaw"  # real OpenClaw requests (README.md there)
 API_KEY = "sk-clawray-test"
+OTHER_KEY = "sk-clawray-other"  # a second tenant of the shared app
+
+
+class ListSink:
+    """A record sink that keeps what it gets (a ``RecordSink`` for tests)."""
+
+    def __init__(self):
+        self.records = []
+
+    def put(self, record):
+        self.records.append(record)
+
+    def close(self):
+        pass
 
 
 def load_fixture(name: str) -> dict:

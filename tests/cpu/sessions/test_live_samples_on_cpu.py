@@ -129,6 +129,51 @@ def test_idle_timeout_finalizes_last_turn(client, served):
         (1, "no_next_state", {0})]
 
 
+def test_a_key_reaches_only_its_own_sessions(client, served):
+    """Two API keys send the same X-Session-Id and the same opening: the second can neither
+    rate the first's turn or session (404, as for an id that does not exist) nor end its
+    session; each key's turns become rows of its own tenant, numbered in its own session."""
+    from clawray.serve.auth import tenant_of_key
+    from tests.support.common import OTHER_KEY
+
+    other = openai.OpenAI(base_url=served.base_url, api_key=OTHER_KEY, max_retries=0)
+    sid = f"live-tenant-{uuid.uuid4().hex[:6]}"
+    h = {"X-Session-Id": sid}
+    m = [SYS, {"role": "user", "content": "Name a fruit."}]
+    a1, rid = ask(client, served, m, h)
+    url = served.base_url + "/feedback"
+    mine = {"Authorization": f"Bearer {served.api_key}"}
+    theirs = {"Authorization": f"Bearer {OTHER_KEY}"}
+    deadline = time.time() + 10
+    while True:  # the owner's feedback is applied once the record reached its hub
+        r = httpx.post(url, json={"response_id": rid, "rating": "up"}, headers=mine)
+        if r.status_code != 404 or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert r.status_code == 200 and r.json()["session_id"] == sid, r.text
+    for body in ({"response_id": rid, "rating": "down"}, {"session_id": sid, "rating": "down"}):
+        r = httpx.post(url, json=body, headers=theirs)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (body, r.text)
+    # the other key "ends" the session id with the same opening: only its own session ends
+    _, other_rid = ask(other, served, m, {**h, "X-Session-Done": "1"})
+    ask(client, served, m + [a1, {"role": "user", "content": "Thanks!"}],
+        {**h, "X-Session-Done": "1"})
+    rows = served.samples(expected=3, session_id=sid)
+    by_tenant = {}
+    for row in rows:
+        by_tenant.setdefault(row["tenant"], []).append(row)
+    assert set(by_tenant) == {tenant_of_key(served.api_key), tenant_of_key(OTHER_KEY)}
+    a_rows = by_tenant[tenant_of_key(served.api_key)]
+    assert [(r["turn"], r["judge_status"], r["outcome"]) for r in a_rows] == [
+        (1, "feedback", 1), (2, "no_next_state", None)]
+    b_rows = by_tenant[tenant_of_key(OTHER_KEY)]
+    assert [(r["turn"], r["judge_status"]) for r in b_rows] == [(1, "no_next_state")]
+    assert b_rows[0]["sample_id"].startswith(other_rid)
+    records = {r.record_id: r for r in served.records(expected=3, session_id=sid)}
+    assert records[other_rid].tenant == tenant_of_key(OTHER_KEY)
+    assert records[rid].tenant == tenant_of_key(served.api_key)
+
+
 def test_feedback_endpoint(client, served):
     sid = f"live-fb-{uuid.uuid4().hex[:6]}"
     h = {"X-Session-Id": sid}

@@ -33,6 +33,57 @@ def test_validate_refuses_remote_bind_without_key(monkeypatch):
     cfg.validate()
 
 
+def test_keys_from_a_file_and_digests_count_as_keys(monkeypatch, tmp_path):
+    import hashlib
+
+    monkeypatch.delenv("CLAWRAY_API_KEYS", raising=False)
+    keys = tmp_path / "keys"
+    keys.write_text("# one key per line\nsk-file-1\n\nsk-file-2\n")
+    cfg = ClawRayConfig().serving(host="0.0.0.0", api_keys_file=str(keys)).validate()
+    assert cfg.serving_cfg.resolved_api_keys() == ["sk-file-1", "sk-file-2"]
+    digest = hashlib.sha256(b"sk-yaml").hexdigest()
+    cfg = ClawRayConfig().serving(host="0.0.0.0", api_key_digests=[digest.upper()]).validate()
+    assert cfg.serving_cfg.key_digests() == [digest]
+    with pytest.raises(ConfigError, match="SHA-256"):
+        ClawRayConfig().serving(api_key_digests=["abc"])
+    with pytest.raises(ConfigError, match="cannot be read"):
+        ClawRayConfig().serving(host="0.0.0.0", api_keys_file=str(tmp_path / "nope")).validate()
+
+
+def test_deployments_receive_digests_never_keys(monkeypatch):
+    """Init args are visible in `serve status` and the dashboard."""
+    import hashlib
+
+    from clawray.serve.app import deployment_args
+
+    monkeypatch.setenv("CLAWRAY_API_KEYS", "sk-from-env")
+    cfg = ClawRayConfig().serving(api_keys=["sk-secret-1"])
+    args = deployment_args(cfg)
+    assert "sk-secret-1" not in repr(args) and "sk-from-env" not in repr(args)
+    assert args["serving"]["api_key_digests"] == [
+        hashlib.sha256(k).hexdigest() for k in (b"sk-secret-1", b"sk-from-env")]
+    # what a replica makes of them: the same keys pass, with the same tenants
+    from clawray.serve.auth import KeyChecker, tenant_of_key
+
+    monkeypatch.delenv("CLAWRAY_API_KEYS")
+    checker = KeyChecker(ClawRayConfig.from_dict(args).serving_cfg.key_digests())
+    assert checker.check({"authorization": "Bearer sk-secret-1"}) == tenant_of_key("sk-secret-1")
+    assert checker.check({"x-api-key": "sk-from-env"}) == tenant_of_key("sk-from-env")
+
+
+def test_an_app_is_refused_when_serve_binds_beyond_loopback_without_a_key(monkeypatch):
+    """`serve run deployments/x.yaml` binds http_options.host, not serving.host."""
+    from clawray.serve import app
+
+    monkeypatch.delenv("CLAWRAY_API_KEYS", raising=False)
+    monkeypatch.setattr(app, "serve_http_host", lambda: "0.0.0.0")
+    with pytest.raises(ValueError, match="http_options.host='0.0.0.0'"):
+        app.build_app(ClawRayConfig())
+    app.build_app(ClawRayConfig().serving(api_keys=["k"]))  # with a key it builds
+    monkeypatch.setattr(app, "serve_http_host", lambda: "127.0.0.1")
+    app.build_app(ClawRayConfig())
+
+
 def test_validate_lists_every_problem():
     cfg = (ClawRayConfig().inference(engine="vllm").model(dtype="float16")
            .serving(default_max_tokens=10, max_tokens_limit=5, host="0.0.0.0"))

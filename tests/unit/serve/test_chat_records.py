@@ -7,6 +7,7 @@ from clawray.config import ServingConfig
 from clawray.inference.engine import TokenDelta, TokenOutput
 from clawray.serve.chat import ChatService
 from clawray.serve.protocol import ChatCompletionRequest
+from tests.support.common import ListSink
 
 IDS = [40, 41, 42, 43]
 VERSIONS = [3, 3, 4, 4]  # the weights changed after the second token
@@ -26,14 +27,6 @@ class SwappingPolicy:
 
     async def status(self):
         raise NotImplementedError
-
-
-class ListSink:
-    def __init__(self):
-        self.records = []
-
-    def put(self, record):
-        self.records.append(record)
 
 
 def service(tokenizer):

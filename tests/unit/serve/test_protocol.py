@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from clawray.serve.auth import KeyChecker
+from clawray.records import session_key, tenant_prefix
+from clawray.serve.auth import LOCAL_TENANT, KeyChecker, tenant_of_key
 from clawray.serve.protocol import APIError, normalize_messages, normalize_tools, parse_request
 from clawray.serve.session_meta import derive_session_key, session_meta
 
@@ -98,12 +99,51 @@ def test_derived_session_key_is_stable_over_turns_and_distinct_across_conversati
     assert session_meta({}, {}, t1, "main").source == "derived"
 
 
-def test_key_checker():
-    kc = KeyChecker(["k1", "k2"])
-    kc.check({"authorization": "Bearer k2"})
-    kc.check({"x-api-key": "k1"})
-    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic k1"}):
+def test_key_checker_returns_the_tenant_of_the_matching_key():
+    kc = KeyChecker.of_keys(["k1", "k2", "k3"])
+    assert kc.check({"authorization": "Bearer k2"}) == tenant_of_key("k2")
+    assert kc.check({"x-api-key": "k1"}) == tenant_of_key("k1")
+    assert kc.check({"authorization": "bearer k3"}) == tenant_of_key("k3")
+    assert len({tenant_of_key(k) for k in ("k1", "k2", "k3")}) == 3
+    assert "k2" not in tenant_of_key("k2") and tenant_of_key("k2").startswith("key-")
+    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic k1"},
+                    {"authorization": "Bearer k"}, {"authorization": "Bearer k12"}):
         with pytest.raises(APIError) as e:
             kc.check(headers)
         assert e.value.status == 401
-    KeyChecker([]).check({})  # auth off
+    assert KeyChecker([]).check({}) == LOCAL_TENANT  # auth off: one tenant
+
+
+def test_sessions_are_namespaced_by_tenant_and_user():
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    a = session_meta({"x-session-id": "s1"}, {}, msgs, "main", tenant="key-a")
+    b = session_meta({"x-session-id": "s1"}, {}, msgs, "main", tenant="key-b")
+    # the client's id is kept as sent; the pipeline's key differs per tenant
+    assert a.session_id == b.session_id == "s1" and a.key != b.key
+    # users of one key (a proxy): their own namespaces, from the body or a header
+    u1 = session_meta({"x-session-id": "s1"}, {"user": "u1"}, msgs, "main", tenant="key-a")
+    u2 = session_meta({"x-session-id": "s1", "x-user-id": "u2"}, {}, msgs, "main",
+                      tenant="key-a")
+    assert (u1.user, u2.user) == ("u1", "u2") and len({a.key, u1.key, u2.key}) == 3
+    assert all(m.key.startswith(tenant_prefix("key-a")) for m in (a, u1, u2))
+    # the same opening ("hi") in two tenants or for two users: different derived sessions
+    derived = [session_meta({}, body, msgs, "main", tenant=t).session_id
+               for t, body in (("key-a", {}), ("key-b", {}), ("key-a", {"user": "u1"}))]
+    assert len(set(derived)) == 3
+    # a user id cannot forge another namespace: lengths are spelled out
+    assert session_key("t", "a|1:b", "c") != session_key("t", "a", "1:b|c")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"user": ["u"]}, "user"), ({"session_id": {"a": 1}}, "session_id"),
+    ({"session_id": "x" * 501}, "session_id"), ({"user": "x" * 501}, "user")])
+def test_bad_session_or_user_ids_are_refused(body, param):
+    with pytest.raises(APIError) as e:
+        _parse({"messages": [{"role": "user", "content": "x"}], **body})
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_an_over_long_session_header_is_refused():
+    with pytest.raises(APIError) as e:
+        session_meta({"x-session-id": "x" * 501}, {}, [{"role": "user", "content": "x"}], "main")
+    assert e.value.status == 400 and e.value.param == "session_id"

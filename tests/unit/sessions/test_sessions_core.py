@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from clawray.records import TurnRecord
+from clawray.records import TurnRecord, session_key
 from clawray.serve.protocol import ChatCompletionRequest, normalize_messages
 from clawray.sessions.core import SessionCore, SessionRules, Verdict, score_of
 from tests.support.common import load_fixture
@@ -16,14 +16,15 @@ SYS = {"role": "system", "content": "You are helpful."}
 
 
 def rec(messages, reply="ok", *, session="s", calls=(), t=0.0, dur=1.0, turn_type="main",
-        done=False, retry=False, finish="stop", rid=None) -> TurnRecord:
+        done=False, retry=False, finish="stop", rid=None, tenant="local",
+        user_id=None) -> TurnRecord:
     return TurnRecord(
         record_id=rid or f"chatcmpl-{next(_ids)}", session_id=session, session_id_source="header",
         turn_type=turn_type, session_done=done, model="m", prompt_ids=[1, 2, 3],
         response_ids=[4, 5], response_logprobs=[-0.1, -0.2], finish_reason=finish,
         policy_version=0, policy_version_end=None, messages=list(messages), tools=None,
         sampling={}, response_text=reply, tool_calls=list(calls), created_at=int(t),
-        finished_at=t + dur, started_at=t, retry=retry)
+        finished_at=t + dur, started_at=t, retry=retry, tenant=tenant, user=user_id)
 
 
 def user(text):
@@ -94,9 +95,14 @@ def test_openclaw_session_ephemeral_context_and_rewritten_tool_ids():
     assert by[t3a.record_id].next_state[0]["content"].startswith('".git/"')
     # the judge sees the user's request, without the ephemeral context
     assert by[t3a.record_id].request[-1]["content"].endswith("list the workspace.")
-    hinted = by[t3a.record_id].hint_messages
-    assert len(hinted) == len(t3a.messages) - 1
-    assert "BEGIN_OPENCLAW_INTERNAL_CONTEXT" not in hinted[-1]["content"]
+    # the OPD teacher sees what the student saw (the ephemeral context included); the hint
+    # goes on the user's request, not on the ephemeral message
+    from clawray.judging.opd import HINT_HEADER, inject_hint
+
+    assert by[t3a.record_id].hint_messages == t3a.messages
+    assert "BEGIN_OPENCLAW_INTERNAL_CONTEXT" in t3a.messages[-1]["content"]
+    hinted = inject_hint(by[t3a.record_id].hint_messages, "List hidden files too.")
+    assert hinted[-1] == t3a.messages[-1] and HINT_HEADER in hinted[-2]["content"]
 
 
 def test_side_turns_produce_nothing_and_consume_no_next_state():
@@ -178,7 +184,8 @@ def test_regenerate_or_edit_is_a_negative_signal(edit):
     jobs, done = c.drain()
     assert jobs == []
     assert [(f.record.record_id, f.status) for f in done] == [(r1.record_id, "regenerated")]
-    assert r2.record_id in c.sessions["s"].turns  # the new request is a turn of its own
+    # the new request is a turn of its own
+    assert r2.record_id in c.sessions[session_key("local", None, "s")].turns
 
 
 def test_retry_and_concurrent_duplicates_are_not_regenerations():
@@ -224,7 +231,7 @@ def test_reused_session_id_after_done_starts_fresh():
     c.on_record(rec([SYS, user("a"), asst("A"), user("z")], t=7), 8)
     jobs, _ = c.drain()
     assert [j.record.record_id for j in jobs] == [r2.record_id]
-    assert c.sessions["s"].turns[jobs[0].record.record_id].turn == 1  # counting restarted
+    assert c.sessions[session_key("local", None, "s")].turns[jobs[0].record.record_id].turn == 1  # counting restarted
 
 
 def test_sessions_do_not_mix():
@@ -261,7 +268,8 @@ def test_feedback_by_response_id_and_by_session():
     c.on_record(r1, 1)
     assert c.on_feedback(-1, "meh", 2, record_id=r1.record_id)["status"] == "applied"
     assert c.on_feedback(1, None, 2, record_id="chatcmpl-nope")["status"] == "unknown"
-    assert c.on_feedback(1, "great session", 2, session_id="s")["status"] == "applied"
+    assert c.on_feedback(1, "great session", 2,
+                         session_key=session_key("local", None, "s"))["status"] == "applied"
     c.on_record(rec([SYS, user("a"), asst("A"), user("b")], t=3), 4)
     (job,), _ = c.drain()
     c.on_verdict(job.job_id, Verdict("judged", [1, 1, 1]), 5)
@@ -270,6 +278,102 @@ def test_feedback_by_response_id_and_by_session():
     _, done = c.drain()
     assert (done[0].outcome, done[0].outcome_scope, done[0].feedback_text) == (-1, "turn", "meh")
     assert c.on_feedback(1, None, 40, record_id=r1.record_id)["status"] == "sealed"
+
+
+def test_tenants_sharing_a_session_id_never_touch_each_others_turns():
+    """Two API keys (and two users of one key) send the same session id and the same opening;
+    one ends "its" session and rates the other's turns: nothing of the other changes."""
+    c = core(feedback_window_s=30)
+    a1 = rec([SYS, user("hi")], "Hello!", t=0, tenant="key-a")
+    c.on_record(a1, 1)
+    # key-b: the same session id and messages, then ends the session and rates a1
+    b1 = rec([SYS, user("hi")], "Hey.", t=1, tenant="key-b", done=True)
+    c.on_record(b1, 2)
+    u1 = rec([SYS, user("hi")], "Hi there", t=1, tenant="key-a", user_id="u1")
+    c.on_record(u1, 2)
+    _, done = c.drain()
+    # b1 ended key-b's own session only (no next state); a1 is not "regenerated" by b1 or u1
+    assert [(f.record.record_id, f.status) for f in done] == [(b1.record_id, "no_next_state")]
+    assert c.on_feedback(-1, "x", 3, record_id=a1.record_id, tenant="key-b") == {
+        "status": "unknown", "response_id": a1.record_id}
+    for key in (session_key("key-b", None, "s"), session_key("key-a", None, "s")):
+        assert c.on_feedback(-1, None, 3, session_key=key, tenant="key-b")["status"] == "unknown"
+    # a1 gets its next state from key-a's second request, is judged and keeps no outcome
+    c.on_record(rec([SYS, user("hi"), asst("Hello!"), user("thanks")], t=4, tenant="key-a"), 5)
+    (job,), _ = c.drain()
+    assert job.record is a1 and job.next_state == [user("thanks")]
+    c.on_verdict(job.job_id, Verdict("judged", [1, 1, 1]), 6)
+    c.tick(40)
+    _, done = c.drain()
+    fin = next(f for f in done if f.record is a1)
+    assert (fin.status, fin.outcome, fin.turn) == ("judged", None, 1)
+    # once emitted, another tenant still sees nothing (not even "sealed"); the owner sees sealed
+    assert c.on_feedback(1, None, 41, record_id=a1.record_id, tenant="key-b")["status"] == "unknown"
+    assert c.on_feedback(1, None, 41, record_id=a1.record_id, tenant="key-a")["status"] == "sealed"
+
+
+def test_feedback_for_a_turn_whose_verdict_is_pending_after_its_session_ended_is_applied():
+    c = core(feedback_window_s=30)
+    r1 = rec([SYS, user("a")], "A", t=0)
+    c.on_record(r1, 1)
+    c.on_record(rec([SYS, user("a"), asst("A"), user("b")], t=2, done=True), 3)
+    (job, *_), _ = c.drain()  # r1 is being judged; its session is gone
+    assert job.record is r1 and not c.sessions
+    result = c.on_feedback(1, "nice", 4, record_id=r1.record_id, tenant="local")
+    assert (result["status"], result["client_session_id"]) == ("applied", "s")
+    assert c.on_feedback(1, None, 4, record_id=r1.record_id, tenant="key-x")["status"] == \
+        "unknown"
+    c.on_verdict(job.job_id, Verdict("judged", [-1, -1, -1]), 5)
+    _, done = c.drain()
+    fin = next(f for f in done if f.record is r1)
+    assert (fin.outcome, fin.outcome_scope, fin.feedback_text) == (1, "turn", "nice")
+
+
+def test_next_state_stops_at_the_next_reply_whichever_record_arrives_first():
+    """Turn 2's record is late (another replica) or never comes (collecting was off): turn 1's
+    next state is still only the user's message after its reply."""
+    c = core()
+    r1 = rec([SYS, user("a")], "A", t=0)
+    c.on_record(r1, 1)
+    r3 = rec([SYS, user("a"), asst("A"), user("thanks"), asst("B"), user("c")], t=6)
+    c.on_record(r3, 7)
+    (job,), _ = c.drain()
+    assert job.record is r1 and job.next_state == [user("thanks")]
+    r2 = rec([SYS, user("a"), asst("A"), user("thanks")], "B", t=2)
+    c.on_record(r2, 8)  # the late record: judged from r3, never rewrites r1's next state
+    (job2,), _ = c.drain()
+    assert job2.record is r2 and job2.next_state == [user("c")]
+    # turn numbers follow the conversation, not arrival order
+    turns = c.sessions[session_key("local", None, "s")].turns
+    assert (turns[r1.record_id].turn, turns[r2.record_id].turn, turns[r3.record_id].turn) == (
+        1, 2, 3)
+
+
+@pytest.mark.parametrize("reply, calls, kept", [
+    ("<think>the user wants a number</think>42", (), asst("42")),
+    ("Let me look.", [{"id": "c1", "type": "function",
+                       "function": {"name": "ls", "arguments": "{}"}}],
+     asst("", [{"id": "x9", "type": "function", "function": {"name": "ls", "arguments": {}}}])),
+])
+def test_a_reply_the_client_rewrote_is_still_found(reply, calls, kept):
+    """Clients strip <think> blocks and drop the text next to tool calls: still the next state
+    of that reply, never a regenerate."""
+    c = core()
+    r1 = rec([SYS, user("q")], reply, calls=calls, t=0)
+    c.on_record(r1, 1)
+    c.on_record(rec([SYS, user("q"), kept, user("ok")], t=3), 4)
+    jobs, done = c.drain()
+    assert [(j.record.record_id, j.next_state) for j in jobs] == [(r1.record_id, [user("ok")])]
+    assert done == []
+
+
+def test_an_edited_first_message_without_a_system_prompt_is_a_regenerate():
+    c = core()
+    r1 = rec([user("Write a poem")], "Roses...", t=0)
+    c.on_record(r1, 1)
+    c.on_record(rec([user("Write a short poem")], "Rain.", t=5), 6)
+    _, done = c.drain()
+    assert [(f.record.record_id, f.status) for f in done] == [(r1.record_id, "regenerated")]
 
 
 def test_aborted_turn_is_kept_without_next_state():

@@ -39,12 +39,20 @@ RULES = SessionRules()
     (fin(votes=(1, 0, 0), at_least_one=True, soft_score=1 / 3), 1 / 3, 1),
     (fin(votes=(1, 1, 1), outcome=-1, outcome_scope="turn"), -1.0, 1),
     (fin(votes=(1, 1, 1), outcome=-1, outcome_scope="session"), 1.0, 1),
+    # the user's own thumbs-up on a reply they then regenerated outranks the regenerate rule
+    (fin("regenerated", outcome=1, outcome_scope="turn"), 1.0, 1),
+    (fin("regenerated", outcome=1, outcome_scope="session"), -1.0, 1),
 ])
 def test_rl_reward_and_mask(f, reward, mask):
     (row,) = rows_of(f, ["rl"], RULES)
     assert row["reward"] == pytest.approx(reward) and row["loss_mask"] == [mask] * 3
     assert row["policy_version"] == 2 and row["policy_version_end"] == 3
     rows_to_batch([row])  # a valid row of the schema
+
+
+def test_a_rated_regenerated_turn_is_marked_feedback():
+    (row,) = rows_of(fin("regenerated", outcome=1, outcome_scope="turn"), ["rl"], RULES)
+    assert (row["judge_status"], row["outcome"], row["reward"]) == ("feedback", 1, 1.0)
 
 
 def test_regenerate_reward_can_be_disabled():

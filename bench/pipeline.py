@@ -148,6 +148,7 @@ def _actors(ray):
                     if not slices:
                         continue
                     table = fetch(slices, get=ray.get)
+                    source.ack.remote(sorted({s.lease for s in slices if s.lease}))
                     input_ids = pack_sequences(table).input_ids
                     pack_column(table, "rollout_logprobs")
                 first = first or time.time()

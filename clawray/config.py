@@ -156,6 +156,9 @@ class ServingConfig(_Section):
     records_path: str = Field(
         "~/.cache/clawray/records/turns.jsonl", description="File of the 'jsonl' sink."
     )
+    records_system_prompt: Literal["inline", "hash"] = Field(
+        "inline", description="'hash': the 'jsonl' sink keeps each distinct system prompt once "
+        "(records_path + '.prompts/<sha256>.txt') and records its hash (docs/reliability.md).")
 
     def resolved_api_keys(self) -> list[str]:
         """The keys themselves: listed, from the env var and from the keys file."""
@@ -226,6 +229,9 @@ class SessionsConfig(_Section):
     )
     flush_rows: int = Field(64, ge=1, description="Rows per write to the SampleBuffer.")
     flush_interval_s: float = Field(0.5, gt=0)
+    journal: bool = Field(
+        True, description="Journal each hub's pending turns (in buffer.path/_journal/) so a "
+        "restarted hub resumes them (clawray/sessions/journal.py).")
 
 
 class JudgeConfig(_Section):
@@ -270,6 +276,16 @@ class BufferConfig(_Section):
     max_staleness: int | None = Field(
         None, ge=0, description="Skip samples more than this many policy versions old."
     )
+    lease_s: float | None = Field(
+        600.0, gt=0, description="Taken rows are consumed when the trainer acknowledges the "
+        "update that used them; unacknowledged after this long, they are delivered again. "
+        "null: taken = consumed.")
+    retain_days: float | None = Field(
+        None, gt=0, description="Delete consumed WAL segments older than this (never an "
+        "unconsumed one); null: keep them.")
+    retain_gb: float | None = Field(
+        None, gt=0, description="Keep at most this many GiB of consumed WAL segments, oldest "
+        "deleted first; null: no bound.")
 
 
 class LossSettings(_Section):

@@ -13,9 +13,11 @@ hands lines to a writer thread). The session pipeline is one too: ``HubSink``
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -114,12 +116,77 @@ class MemorySink:
         pass
 
 
-class JsonlSink:
-    """Appends one JSON line per record from a writer thread, flushed after each batch."""
+class TextStore:
+    """Content-addressed texts (``<sha256>.txt`` in a folder), each written once."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder).expanduser()
+        self._known: set[str] = set()
+
+    def put(self, text: str) -> str:
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        if digest not in self._known:
+            path = self.folder / f"{digest}.txt"
+            if not path.exists():
+                self.folder.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+                tmp.write_text(text, encoding="utf-8")
+                os.replace(tmp, path)
+            self._known.add(digest)
+        return digest
+
+    def get(self, digest: str) -> str:
+        return (self.folder / f"{digest}.txt").read_text(encoding="utf-8")
+
+
+def prompt_store_of(records_path: str | Path) -> Path:
+    """Where a JSONL record file keeps its system prompts by hash."""
+    p = Path(records_path).expanduser()
+    return p.with_name(p.name + ".prompts")
+
+
+def externalize_system_prompts(data: dict[str, Any], store: TextStore) -> dict[str, Any]:
+    """A record dict whose system messages hold ``content_sha256`` instead of their text (the
+    text goes to ``store`` once): agent system prompts are tens of KB, resent every turn."""
+    messages = []
+    for m in data["messages"]:
+        if m.get("role") == "system" and isinstance(m.get("content"), str):
+            text = m["content"]
+            m = {k: v for k, v in m.items() if k != "content"}
+            m["content_sha256"] = store.put(text)
+        messages.append(m)
+    return {**data, "messages": messages}
+
+
+def internalize_system_prompts(data: dict[str, Any], store: TextStore | None) -> dict[str, Any]:
+    """The inverse of ``externalize_system_prompts`` (a record without hashes is unchanged)."""
+    if not any("content_sha256" in m for m in data.get("messages", [])):
+        return data
+    if store is None:
+        raise ValueError("the record keeps its system prompt by hash, but no prompt store "
+                         "was given")
+    messages = []
+    for m in data["messages"]:
+        if "content_sha256" in m:
+            digest = m["content_sha256"]
+            m = {k: v for k, v in m.items() if k != "content_sha256"}
+            m["content"] = store.get(digest)
+        messages.append(m)
+    return {**data, "messages": messages}
+
+
+class JsonlSink:
+    """Appends one JSON line per record from a writer thread, flushed after each batch.
+
+    ``system_prompt="hash"`` keeps each distinct system prompt once, in ``<path>.prompts/``,
+    and records its SHA-256 (``read_jsonl_records`` puts the text back)."""
+
+    def __init__(self, path: str | Path, system_prompt: str = "inline") -> None:
+        if system_prompt not in ("inline", "hash"):
+            raise ValueError(f"system_prompt must be 'inline' or 'hash', got {system_prompt!r}")
         self.path = Path(path).expanduser()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.store = TextStore(prompt_store_of(self.path)) if system_prompt == "hash" else None
         self._q: queue.SimpleQueue[TurnRecord | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="clawray-jsonl-sink", daemon=True)
         self._thread.start()
@@ -136,7 +203,10 @@ class JsonlSink:
                     batch.append(self._q.get())
                 for rec in batch:
                     if rec is not None:
-                        f.write(json.dumps(rec.to_dict(), ensure_ascii=False) + "\n")
+                        data = rec.to_dict()
+                        if self.store is not None:
+                            data = externalize_system_prompts(data, self.store)
+                        f.write(json.dumps(data, ensure_ascii=False) + "\n")
                 f.flush()
                 if None in batch:
                     return
@@ -166,17 +236,20 @@ class TeeSink:
 
 
 def read_jsonl_records(path: str | Path) -> list[TurnRecord]:
+    """The records of a JSONL sink file, system prompts kept by hash put back."""
     p = Path(path).expanduser()
     if not p.exists():
         return []
+    store = TextStore(prompt_store_of(p)) if prompt_store_of(p).exists() else None
     with p.open(encoding="utf-8") as f:
-        return [TurnRecord.from_dict(json.loads(line)) for line in f if line.strip()]
+        return [TurnRecord.from_dict(internalize_system_prompts(json.loads(line), store))
+                for line in f if line.strip()]
 
 
-def make_sink(kind: str, records_path: str) -> RecordSink:
+def make_sink(kind: str, records_path: str, system_prompt: str = "inline") -> RecordSink:
     """Build the sink named in ``serving.record_sink``."""
     if kind == "jsonl":
-        return JsonlSink(records_path)
+        return JsonlSink(records_path, system_prompt)
     if kind == "memory":
         return MemorySink()
     if kind == "none":

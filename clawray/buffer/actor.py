@@ -52,7 +52,9 @@ class SampleBuffer:
         c = BufferConfig(**cfg)
         self._core = SampleBufferCore(c.path, seal_rows=c.seal_rows, seal_age_s=c.seal_age_s,
                                       max_queued_rows=c.max_queued_rows,
-                                      max_staleness=c.max_staleness, put=ray.put, get=ray.get)
+                                      max_staleness=c.max_staleness, put=ray.put, get=ray.get,
+                                      lease_s=c.lease_s, retain_days=c.retain_days,
+                                      retain_gb=c.retain_gb)
         self._tick_s = min(c.seal_age_s / 4, 0.05)
         self._seal_lock: asyncio.Lock | None = None
         self._sealed: dict[int, asyncio.Future] = {}  # generation → seq once durable
@@ -89,6 +91,10 @@ class SampleBuffer:
             self._wake.clear()
             if self._core.should_seal():
                 await self._seal_now()
+            if self._core.expire():  # a taker died with its lease: the rows are back
+                self._m_queue.set(self._core.available())
+                async with self._changed:
+                    self._changed.notify_all()
 
     async def _seal_now(self) -> int | None:
         async with self._seal_lock:
@@ -133,7 +139,8 @@ class SampleBuffer:
     async def take(self, n: int, timeout_s: float = 0.0, min_n: int | None = None) -> list[Slice]:
         """Exactly ``n`` rows as slices of batch refs, waiting up to ``timeout_s`` for them;
         [] if there are not enough. With ``min_n``, at the deadline take what is there if that
-        is at least ``min_n`` rows. Taken rows count as consumed (checkpointed before return)."""
+        is at least ``min_n`` rows. The slices carry their lease (``buffer.lease_s``): ``ack``
+        it once the rows are trained, or they are delivered again when it expires."""
         self._start()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -157,6 +164,22 @@ class SampleBuffer:
                     await asyncio.wait_for(self._changed.wait(), left)
                 except asyncio.TimeoutError:
                     pass
+
+    async def ack(self, leases: Sequence[int]) -> int:
+        """The rows of ``leases`` were trained: consumed (checkpointed before return)."""
+        self._start()
+        rows = self._core.ack(list(leases), checkpoint=False)
+        await asyncio.to_thread(self._core.save_checkpoint)
+        return rows
+
+    async def release(self, leases: Sequence[int]) -> int:
+        """Rows of ``leases`` given back untrained: delivered again at once."""
+        self._start()
+        rows = self._core.release(list(leases))
+        if rows:
+            async with self._changed:
+                self._changed.notify_all()
+        return rows
 
     async def set_policy_version(self, version: int) -> None:
         self._core.set_policy_version(version)

@@ -5,12 +5,21 @@ Rows go into an open batch; ``seal`` writes it as one Parquet segment of the wri
 batches as objects made by ``put`` (``ray.put`` in the actor, identity in tests), bounded by
 ``max_queued_rows``: newer segments wait on disk and are loaded in order when room frees up.
 
-``take(n)`` hands out slices covering exactly n rows, oldest first, and persists the consumed
-position ``{"seq": s, "offset": k}`` (every row before row k of segment s, in WAL order, is
-consumed). Taken == consumed: a taker that dies with its slices loses those rows; rows not yet
-taken survive any crash. A new core on the same folder re-queues every row after the
-checkpoint exactly once, and rebuilds the duplicate filter from the last segments, so a
-producer that retries an unacknowledged ``add`` creates no duplicates.
+``take(n)`` hands out slices covering exactly n rows, oldest first, under a lease: the rows
+are consumed only when the taker acknowledges them (``ack``, after the update that used them);
+a lease not acknowledged within ``lease_s`` expires and its rows go back to the front of the
+queue, so a trainer that dies between take and update loses nothing (the learner side drops
+rows it already trained by ``sample_id``: exactly-once in effect). The checkpoint persists the
+consumed position ``{"seq": s, "offset": k}`` (every row before row k of segment s, in WAL
+order, is consumed) plus the rows settled beyond it (acknowledged, or dropped as stale). A new
+core on the same folder re-queues every unsettled row exactly once — leased ones included, as
+a lease does not outlive the core — and rebuilds the duplicate filter from the last segments,
+so a producer that retries an unacknowledged ``add`` creates no duplicates. With
+``lease_s=None`` taken rows are consumed at once (the pre-lease behaviour).
+
+Retention: segments wholly before the consumed position are deleted once older than
+``retain_days`` or beyond ``retain_gb`` of consumed segments (oldest first); an unconsumed
+segment is never deleted.
 
 The folder is an ordinary Parquet dataset (``pyarrow.dataset``, ``pandas.read_parquet``):
 the checkpoint is ``_consumed.json`` and temp files start with ``.``, both of which dataset
@@ -56,13 +65,21 @@ class Slice:
 
     ``offset`` indexes the object, which is the whole segment unless a staleness filter made a
     smaller copy; ``rows`` then holds the segment row index of each of this slice's rows (for
-    reading the same rows back from the WAL)."""
+    reading the same rows back from the WAL). ``lease``: the lease to ``ack`` once trained."""
 
     seq: int
     ref: Any
     offset: int
     length: int
     rows: list[int] | None = None
+    lease: int | None = None
+
+
+@dataclass
+class _Lease:
+    deadline: float
+    parts: list[_Queued]  # what goes back to the queue on expiry, oldest first
+    rows: list[tuple[int, np.ndarray]]  # (seq, segment rows) settled by the ack
 
 
 @dataclass
@@ -95,6 +112,14 @@ class _OnDisk:
     seg_rows: int
     start: int  # rows before this were consumed before a restart
     versions: np.ndarray = field(repr=False)
+    keep: np.ndarray | None = field(default=None, repr=False)  # rows to deliver (None: all)
+
+    @property
+    def pending(self) -> int:
+        return self.seg_rows - self.start if self.keep is None else len(self.keep)
+
+    def pending_versions(self) -> np.ndarray:
+        return self.versions[self.start:] if self.keep is None else self.versions[self.keep]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -159,7 +184,8 @@ class SampleBufferCore:
                  put: Callable[[pa.RecordBatch], Any] = _identity,
                  get: Callable[[Any], pa.RecordBatch] = _identity,
                  dedup_segments: int = 64, compression: str = "zstd",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, lease_s: float | None = None,
+                 retain_days: float | None = None, retain_gb: float | None = None) -> None:
         self.path = Path(path).expanduser()
         self.path.mkdir(parents=True, exist_ok=True)
         self.seal_rows, self.seal_age_s = seal_rows, seal_age_s
@@ -181,11 +207,16 @@ class SampleBufferCore:
         self._segments: dict[int, int] = {}  # seq → rows, every segment in the folder
         self._next_seq = 0
         self._consumed = (0, 0)
+        self.lease_s, self.retain_days, self.retain_gb = lease_s, retain_days, retain_gb
+        self._leases: dict[int, _Lease] = {}
+        self._lease_ids = 0
+        self._settled: dict[int, np.ndarray] = {}  # seq → settled rows (beyond the position)
         self._ckpt_lock = threading.Lock()
-        self._ckpt_written = (-1, -1)
+        self._ckpt_written: Any = None
         self.counters = dict.fromkeys(
             ("rows_added", "rows_sealed", "rows_taken", "duplicates", "stale_dropped",
-             "wal_bytes"), 0)
+             "wal_bytes", "rows_acked", "leases_expired", "rows_redelivered",
+             "segments_deleted"), 0)
         self.wal_write_s = 0.0
         self._recover()
 
@@ -206,7 +237,14 @@ class SampleBufferCore:
         if ckpt.exists():
             data = json.loads(ckpt.read_text())
             self._consumed = (int(data["seq"]), int(data["offset"]))
-            self._ckpt_written = self._consumed
+            for key, ranges in data.get("settled", {}).items():
+                seq = int(key)
+                if seq in self._segments:
+                    mask = np.zeros(self._segments[seq], dtype=bool)
+                    for a, b in ranges:
+                        mask[a:b] = True
+                    self._settled[seq] = mask
+            self._ckpt_written = self._checkpoint_data()
         cseq, coff = self._consumed
         for seq in seqs:
             start = coff if seq == cseq else 0
@@ -214,7 +252,12 @@ class SampleBufferCore:
                 continue
             versions = pq.read_table(self.path / segment_name(seq),
                                      columns=["policy_version"]).column(0).to_numpy()
-            self._disk.append(_OnDisk(seq, self._segments[seq], start, versions))
+            keep = None
+            if seq in self._settled:
+                keep = np.flatnonzero(~self._settled[seq][start:]) + start
+                if not len(keep):
+                    continue
+            self._disk.append(_OnDisk(seq, self._segments[seq], start, versions, keep))
         for seq in seqs[-(self._recent.maxlen or 0):] if self._recent.maxlen else []:
             ids = pq.read_table(self.path / segment_name(seq), columns=["sample_id"])
             self._remember(ids.column(0).to_pylist())
@@ -222,6 +265,7 @@ class SampleBufferCore:
         if seqs:
             logger.info("recovered %d segments from %s: %d rows to deliver after %s",
                         len(seqs), self.path, self.available(), self._consumed)
+        self._advance()
 
     def _remember(self, ids: list[str]) -> None:
         if not self._recent.maxlen:
@@ -355,12 +399,17 @@ class SampleBufferCore:
     def _load(self) -> None:
         d = self._disk.popleft()
         batch = read_segment(self.path, d.seq)
-        self._queue.append(_Queued(d.seq, self._put(batch), d.seg_rows, d.start, d.versions,
-                                   seg_rows=d.seg_rows))
+        if d.keep is None:
+            self._queue.append(_Queued(d.seq, self._put(batch), d.seg_rows, d.start, d.versions,
+                                       seg_rows=d.seg_rows))
+        else:
+            self._queue.append(_Queued(d.seq, self._put(batch.take(pa.array(d.keep))),
+                                       len(d.keep), 0, d.versions[d.keep], origin=d.keep,
+                                       seg_rows=d.seg_rows))
 
     def _refill(self) -> None:
         while self._disk and (not self._queue or
-                              self._held_rows() + self._disk[0].seg_rows <= self.max_queued_rows):
+                              self._held_rows() + self._disk[0].pending <= self.max_queued_rows):
             self._load()
 
     # ---------------------------------------------------------------- staleness
@@ -377,12 +426,14 @@ class SampleBufferCore:
 
     def _drop_stale(self, q: _Queued, vmin: int) -> None:
         """Replace the untaken part of ``q`` by its fresh rows (a copy through ``put``)."""
-        rest = q.versions[q.offset:]
+        rest = q.versions[q.offset:q.num_rows]
         keep = np.flatnonzero(rest >= vmin)
         if len(keep) == len(rest):
             return
         self.counters["stale_dropped"] += len(rest) - len(keep)
-        origin = (q.origin if q.origin is not None else np.arange(q.num_rows))[q.offset:][keep]
+        rows = (q.origin if q.origin is not None else np.arange(q.num_rows))[q.offset:q.num_rows]
+        self._settle(q.seq, rows[np.flatnonzero(rest < vmin)])  # dropped: consumed, untrained
+        origin = rows[keep]
         if len(keep):
             batch = self._get(q.ref).slice(q.offset).take(pa.array(keep))
             q.ref = self._put(batch)
@@ -393,20 +444,29 @@ class SampleBufferCore:
     def available(self) -> int:
         """Rows a ``take`` can hand out now (fresh rows in memory and waiting on disk)."""
         vmin = self._min_version()
-        return (sum(self._fresh(q.versions[q.offset:], vmin) for q in self._queue)
-                + sum(self._fresh(d.versions[d.start:], vmin) for d in self._disk))
+        return (sum(self._fresh(q.versions[q.offset:q.num_rows], vmin) for q in self._queue)
+                + sum(self._fresh(d.pending_versions(), vmin) for d in self._disk))
 
-    def take(self, n: int, checkpoint: bool = True) -> list[Slice]:
+    def take(self, n: int, checkpoint: bool = True, now: float | None = None) -> list[Slice]:
         """Slices covering exactly ``n`` rows, oldest first; [] when fewer are available.
 
         A batch is split when needed and its surplus stays for the next call. Segments are
         loaded from disk beyond ``max_queued_rows`` if that is what ``n`` rows need. With
-        ``checkpoint=False`` the caller must call ``save_checkpoint`` (the actor does it off
-        the event loop)."""
+        leases (``lease_s``) every slice carries the lease to ``ack``; without, the rows are
+        consumed now. With ``checkpoint=False`` the caller must call ``save_checkpoint`` (the
+        actor does it off the event loop)."""
+        now = self._clock() if now is None else now
+        self.expire(now)
         if n <= 0 or self.available() < n:
             return []
         vmin = self._min_version()
         out: list[Slice] = []
+        parts: list[_Queued] = []
+        taken: list[tuple[int, np.ndarray]] = []
+        lease = None
+        if self.lease_s is not None:
+            self._lease_ids += 1
+            lease = self._lease_ids
         need = n
         while need:
             if not self._queue:
@@ -416,31 +476,157 @@ class SampleBufferCore:
                 self._drop_stale(q, vmin)
             k = min(need, q.num_rows - q.offset)
             if k:
-                rows = None if q.origin is None else q.origin[q.offset:q.offset + k].tolist()
-                out.append(Slice(q.seq, q.ref, q.offset, k, rows))
+                rows = (np.arange(q.offset, q.offset + k) if q.origin is None
+                        else q.origin[q.offset:q.offset + k])
+                out.append(Slice(q.seq, q.ref, q.offset, k,
+                                 None if q.origin is None else rows.tolist(), lease))
+                parts.append(_Queued(q.seq, q.ref, q.offset + k, q.offset, q.versions,
+                                     q.origin, q.seg_rows))
+                taken.append((q.seq, rows))
                 q.offset += k
                 need -= k
             if q.offset >= q.num_rows:
                 self._queue.popleft()
-                self._consumed = (q.seq, q.seg_rows)
-            else:
-                self._consumed = (q.seq, int(q.origin[q.offset]) if q.origin is not None
-                                  else q.offset)
         self.counters["rows_taken"] += n
+        if lease is None:
+            for seq, rows in taken:
+                self._settle(seq, rows)
+        else:
+            self._leases[lease] = _Lease(now + self.lease_s, parts, taken)
         self._refill()
         if checkpoint:
             self.save_checkpoint()
         return out
 
+    def ack(self, leases: Sequence[int], checkpoint: bool = True) -> int:
+        """The taker trained these leases' rows: they are consumed. Returns the rows settled;
+        an unknown (expired, or handed out before a restart) lease settles nothing — its rows
+        were or will be delivered again, and the learner drops repeats by ``sample_id``."""
+        rows = 0
+        for lease_id in leases:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                continue
+            for seq, segment_rows in lease.rows:
+                self._settle(seq, segment_rows)
+                rows += len(segment_rows)
+        self.counters["rows_acked"] += rows
+        self._advance()
+        if checkpoint:
+            self.save_checkpoint()
+        return rows
+
+    def expire(self, now: float | None = None) -> int:
+        """Put the rows of leases past their deadline back at the front of the queue (oldest
+        first); returns how many rows came back."""
+        now = self._clock() if now is None else now
+        late = [i for i, lease in self._leases.items() if lease.deadline <= now]
+        back = self._requeue(late)
+        if late:
+            self.counters["leases_expired"] += len(late)
+            self.counters["rows_redelivered"] += back
+            logger.warning("%d lease(s) expired unacknowledged: %d rows go back to the queue",
+                           len(late), back)
+        return back
+
+    def release(self, leases: Sequence[int]) -> int:
+        """The taker gives rows back untrained (e.g. too few for a batch): they go back to the
+        front of the queue at once. Returns the rows."""
+        return self._requeue([i for i in leases if i in self._leases])
+
+    def _requeue(self, leases: list[int]) -> int:
+        back = 0
+        for lease_id in sorted(leases, reverse=True):  # the oldest lease ends up in front
+            lease = self._leases.pop(lease_id)
+            for part in reversed(lease.parts):
+                self._queue.appendleft(part)
+                back += part.num_rows - part.offset
+        return back
+
+    def _settle(self, seq: int, rows: np.ndarray) -> None:
+        """Mark segment rows consumed (acknowledged, or dropped as stale)."""
+        if not len(rows) or (seq, 0) < (self._consumed[0], 0) or seq not in self._segments:
+            return
+        mask = self._settled.get(seq)
+        if mask is None:
+            mask = self._settled[seq] = np.zeros(self._segments[seq], dtype=bool)
+        mask[np.asarray(rows, dtype=np.int64)] = True
+
+    def _advance(self) -> None:
+        """Move the consumed position over every settled row right after it."""
+        seq, offset = self._consumed
+        while seq in self._segments:
+            mask = self._settled.get(seq)
+            n = self._segments[seq]
+            if mask is not None:
+                unsettled = np.flatnonzero(~mask[offset:])
+                offset = n if not len(unsettled) else offset + int(unsettled[0])
+            if offset < n:
+                break
+            self._settled.pop(seq, None)
+            if seq + 1 not in self._segments:
+                break
+            seq, offset = seq + 1, 0
+        self._consumed = (seq, offset)
+
+    def _checkpoint_data(self) -> dict[str, Any]:
+        seq, offset = self._consumed
+        settled = {}
+        for s, mask in sorted(self._settled.items()):
+            if s < seq:
+                continue
+            if s == seq:  # the rows before the position are consumed anyway
+                mask = mask.copy()
+                mask[:offset] = False
+            if not mask.any():
+                continue
+            edges = np.flatnonzero(np.diff(np.concatenate(([0], mask.astype(np.int8), [0]))))
+            settled[str(s)] = edges.reshape(-1, 2).tolist()
+        data: dict[str, Any] = {"seq": seq, "offset": offset}
+        if settled:
+            data["settled"] = settled
+        return data
+
     def save_checkpoint(self) -> None:
-        """Persist the consumed position atomically (never moves it backwards)."""
+        """Persist the consumed position and the rows settled beyond it atomically."""
         with self._ckpt_lock:
-            pos = self._consumed
-            if pos <= self._ckpt_written:
+            self._advance()
+            data = self._checkpoint_data()
+            if data == self._ckpt_written:
                 return
-            data = json.dumps({"seq": pos[0], "offset": pos[1]}).encode()
-            _write_atomic(self.path / CHECKPOINT, lambda f: f.write(data))
-            self._ckpt_written = pos
+            raw = json.dumps(data).encode()
+            _write_atomic(self.path / CHECKPOINT, lambda f: f.write(raw))
+            self._ckpt_written = data
+        self.collect_garbage()
+
+    def collect_garbage(self, now: float | None = None) -> list[int]:
+        """Delete consumed segments past the retention (``retain_days``/``retain_gb``); never
+        one holding an unconsumed row. Returns the deleted seqs."""
+        if self.retain_days is None and self.retain_gb is None:
+            return []
+        now = time.time() if now is None else now
+        done = sorted(s for s in self._segments if s < self._consumed[0])
+        sizes = {s: (self.path / segment_name(s)).stat().st_size for s in done}
+        total = sum(sizes.values())
+        deleted = []
+        for seq in done:  # oldest first
+            path = self.path / segment_name(seq)
+            too_old = (self.retain_days is not None
+                       and now - path.stat().st_mtime > self.retain_days * 86400)
+            too_big = self.retain_gb is not None and total > self.retain_gb * 2**30
+            if not (too_old or too_big):
+                continue
+            path.unlink()
+            total -= sizes[seq]
+            self.counters["wal_bytes"] -= sizes[seq]
+            self.counters["segments_deleted"] += 1
+            del self._segments[seq]
+            deleted.append(seq)
+        if deleted:
+            _fsync_dir(self.path)
+            logger.info("retention: deleted %d consumed segments (%d..%d)", len(deleted),
+                        deleted[0], deleted[-1])
+        return deleted
 
     # ---------------------------------------------------------------- introspection
     def stats(self) -> dict[str, Any]:
@@ -449,7 +635,9 @@ class SampleBufferCore:
             "segments": len(self._segments),
             "queued_rows": sum(q.num_rows - q.offset for q in self._queue),
             "held_rows": self._held_rows(),
-            "on_disk_rows": sum(d.seg_rows - d.start for d in self._disk),
+            "on_disk_rows": sum(d.pending for d in self._disk),
+            "leased_rows": sum(len(r) for lease in self._leases.values() for _, r in lease.rows),
+            "leases": len(self._leases),
             "open_rows": self._open_rows,
             "available": self.available(),
             "last_seq": max(self._segments) if self._segments else None,

@@ -280,8 +280,11 @@ class RLAnythingLoop:
             return {}
         t0 = time.perf_counter()
         ray.get(self.rm_buffer.add.remote(rows))  # durable before it is trained on
-        table = fetch(ray.get(self.rm_buffer.take.remote(len(rows), 10.0, 1)), ray.get)
+        slices = ray.get(self.rm_buffer.take.remote(len(rows), 10.0, 1))
+        table = fetch(slices, ray.get)
         out = dict(ray.get(self.rm.update.remote(table)))
+        # trained: consumed (unacknowledged, they would be delivered again after the lease)
+        ray.get(self.rm_buffer.ack.remote(sorted({s.lease for s in slices if s.lease})))
         out["time_rm_update_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         sync = ray.get(self.rm.publish.remote())

@@ -101,7 +101,7 @@ class IngressCore:
                 # Training data only while the operator's collecting switch is on.
                 sinks.append(GatedSink(self.hub_sink, self.collecting))
             else:
-                sinks.append(make_sink(kind, s.records_path))
+                sinks.append(make_sink(kind, s.records_path, s.records_system_prompt))
         self.sink = sinks[0] if len(sinks) == 1 else TeeSink(sinks)
         self.service = ChatService(load_tokenizer(info.path), policy, info.name, max_len, s,
                                    self.sink)

@@ -4,7 +4,9 @@ The ingress sends every turn record here without waiting (``submit``); sessions 
 over ``sessions.num_hubs`` hubs by a hash of the session id, so one session always meets the
 same hub. The hub runs judge jobs through the ``VoterPool`` concurrently, turns finished turns
 into sample rows, and writes them to the ``SampleBuffer`` — keeping each row until the buffer
-has acknowledged it as durable, retrying through buffer restarts.
+has acknowledged it as durable, retrying through buffer restarts. Its pending turns are
+journaled (``journal.py``): a hub that crashed resumes them on its first call after the
+restart, so every served main turn still becomes its row.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from clawray.config import ClawRayConfig
 from clawray.judging.voters import VoterPool
 from clawray.records import TurnRecord
 from clawray.sessions.core import JudgeJob, SessionCore, SessionRules
+from clawray.sessions.journal import HubJournal
 from clawray.sessions.rows import rows_of
 
 logger = logging.getLogger(__name__)
@@ -35,7 +38,7 @@ def shard_of(session_id: str, num_hubs: int) -> int:
 @ray.remote(num_cpus=0)
 class SessionHub:
     def __init__(self, config: dict[str, Any], shard: int, buffer_name: str,
-                 voter_names: list[str]) -> None:
+                 voter_names: list[str], journal_path: str | None = None) -> None:
         cfg = ClawRayConfig.from_dict(config)
         self.shard = shard
         self.s = cfg.sessions_cfg
@@ -52,11 +55,21 @@ class SessionHub:
         self._loop_task: asyncio.Task | None = None
         self._flush_lock: asyncio.Lock | None = None
         self._metrics = _HubMetrics(shard)
+        self.journal = HubJournal(journal_path) if journal_path else None
+        self.rows_left: dict[str, int] = {}  # record id → its rows not yet durable
+        self.replayed = 0
 
     # ---- inputs (the ingress never waits on these) ----
     async def submit(self, record: dict[str, Any]) -> None:
         self._start()
-        self.core.on_record(TurnRecord.from_dict(record), time.time())
+        now = time.time()
+        rec = TurnRecord.from_dict(record)
+        journaled = self.journal is not None and (rec.turn_type == "main" or rec.session_done)
+        if journaled:
+            self.journal.record(record, now)  # before acting on it
+        self.core.on_record(rec, now)
+        if journaled and rec.turn_type != "main":  # a side turn that ended its session
+            self.journal.done([rec.record_id])
         self._pump()
 
     async def feedback(self, rating: int, text: str | None = None, record_id: str | None = None,
@@ -65,10 +78,33 @@ class SessionHub:
         """Feedback for a turn (``record_id``) or a session (its key, ``TurnRecord.session_key``);
         with ``tenant``, only that tenant's turns and sessions match."""
         self._start()
-        result = self.core.on_feedback(rating, text, time.time(), record_id=record_id,
+        now = time.time()
+        if self.journal is not None:
+            self.journal.feedback(now, rating=rating, text=text, record_id=record_id,
+                                  session_key=session_key, tenant=tenant)
+        result = self.core.on_feedback(rating, text, now, record_id=record_id,
                                        session_key=session_key, tenant=tenant)
         self._pump()
         return result
+
+    def _replay(self) -> None:
+        """Resume the pending turns of a previous life of this hub from its journal."""
+        if self.journal is None:
+            return
+        for entry in self.journal.replay():
+            if "record" in entry:
+                rec = TurnRecord.from_dict(entry["record"])
+                self.core.on_record(rec, entry["t"])
+                self.replayed += 1
+                if rec.turn_type != "main":
+                    self.journal.done([rec.record_id])
+            else:
+                call = dict(entry["feedback"])
+                self.core.on_feedback(call.pop("rating"), call.pop("text"), entry["t"], **call)
+        if self.replayed:
+            logger.warning("session hub %d resumed %d pending turns from its journal %s",
+                           self.shard, self.replayed, self.journal.path)
+        self.core.tick(time.time())
 
     # ---- admin / tests ----
     async def flush(self, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -80,11 +116,20 @@ class SessionHub:
         self.core.tick(time.time())
         self._pump()
         await self._write(force=True)
-        return self.stats()
+        if self.journal is not None:
+            self.journal.sync()
+        return self._stats()
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
+        """Counters; the first call after a restart also resumes the journal."""
+        self._start()
+        return self._stats()
+
+    def _stats(self) -> dict[str, Any]:
         return {"shard": self.shard, **self.core.stats(), "outbox_rows": len(self.outbox),
                 "rows_written": self.rows_written, "write_failures": self.write_failures,
+                "replayed": self.replayed,
+                "journaled": len(self.journal.live) if self.journal is not None else None,
                 "judging_tasks": len(self.judging), "voters": dict(self.pool.counters)}
 
     # ---- internals ----
@@ -92,6 +137,8 @@ class SessionHub:
         if self._loop_task is None:
             self._flush_lock = asyncio.Lock()
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
+            self._replay()
+            self._pump()
 
     def _pump(self) -> None:
         jobs, finished = self.core.drain()
@@ -103,10 +150,16 @@ class SessionHub:
             if not self.outbox:
                 self.outbox_since = time.monotonic()
             try:
-                self.outbox.extend(rows_of(fin, self.s.sample_kinds, self.rules))
+                rows = rows_of(fin, self.s.sample_kinds, self.rules)
             except Exception:  # a malformed record must not stop the hub; it is logged loudly
                 logger.exception("cannot build samples of %s (session %s)",
                                  fin.record.record_id, fin.record.session_id)
+                rows = []
+            if rows:
+                self.outbox.extend(rows)
+                self.rows_left[fin.record.record_id] = len(rows)
+            elif self.journal is not None:
+                self.journal.done([fin.record.record_id])
 
     async def _judge(self, job: JudgeJob) -> None:
         verdict = await self.pool.judge(job)
@@ -121,6 +174,8 @@ class SessionHub:
                 self.core.tick(time.time())
                 self._pump()
                 await self._write(force=False)
+                if self.journal is not None:
+                    self.journal.sync()
                 self._metrics.update(self.core.counters, self.pool, len(self.outbox))
             except Exception:
                 logger.exception("session hub %d tick failed", self.shard)
@@ -143,6 +198,21 @@ class SessionHub:
                 del self.outbox[: len(rows)]
                 self.rows_written += len(rows)
                 self.outbox_since = time.monotonic()
+                self._durable(rows)
+
+    def _durable(self, rows: list[dict[str, Any]]) -> None:
+        """The buffer acknowledged ``rows``: turns whose rows are all durable are done."""
+        done = []
+        for row in rows:
+            rid = row["sample_id"].rsplit("/", 1)[0]
+            left = self.rows_left.get(rid, 1) - 1
+            if left > 0:
+                self.rows_left[rid] = left
+            else:
+                self.rows_left.pop(rid, None)
+                done.append(rid)
+        if self.journal is not None:
+            self.journal.done(done)
 
 
 class _HubMetrics:

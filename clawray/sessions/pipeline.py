@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -60,6 +61,15 @@ def names(app_name: str, cfg: ClawRayConfig) -> dict[str, Any]:
     }
 
 
+def journal_path(cfg: ClawRayConfig, app_name: str, shard: int) -> str | None:
+    """Where hub ``shard`` journals its pending turns: next to the sample log, in a folder
+    Parquet readers skip."""
+    if not cfg.sessions_cfg.journal:
+        return None
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in app_name)
+    return str(Path(cfg.buffer_cfg.path).expanduser() / "_journal" / f"{safe}-hub-{shard}.jsonl")
+
+
 def start_live_pipeline(cfg: ClawRayConfig, app_name: str = "clawray") -> LivePipeline:
     """Create (or attach to) the app's buffer, voters and hubs."""
     n = names(app_name, cfg)
@@ -69,7 +79,8 @@ def start_live_pipeline(cfg: ClawRayConfig, app_name: str = "clawray") -> LivePi
     voters = [PRMVoter.options(name=v, **detached).remote(cfg.judge_cfg.model_dump(), app_name)
               for v in n["voters"]]
     ray.get([v.ping.remote() for v in voters])  # attach only once they can take calls
-    hubs = [SessionHub.options(name=h, **detached).remote(cfg.to_dict(), i, n["buffer"], n["voters"])
+    hubs = [SessionHub.options(name=h, **detached).remote(
+                cfg.to_dict(), i, n["buffer"], n["voters"], journal_path(cfg, app_name, i))
             for i, h in enumerate(n["hubs"])]
     ray.get([h.stats.remote() for h in hubs])
     return LivePipeline(app_name, buffer, voters, hubs)

@@ -39,7 +39,7 @@ from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 from ray.util.metrics import Gauge
 from tqdm.auto import tqdm
 
-from clawray.buffer.core import fetch
+from clawray.buffer.core import Slice, fetch
 from clawray.config import ClawRayConfig
 from clawray.learner.group import LearnerGroup
 from clawray.models.loader import policy_model_info
@@ -69,6 +69,30 @@ class _Gauges:
             value = result.get(key)
             if isinstance(value, (int, float)) and np.isfinite(value):
                 gauge.set(float(value), tags={"app": self.app})
+
+
+TRAINED_IDS_KEPT = 200_000  # sample ids remembered to drop rows delivered again
+
+
+class TrainedIds:
+    """The most recent ``cap`` trained sample ids (insertion order), saved with checkpoints."""
+
+    def __init__(self, cap: int, ids: list[str] = ()) -> None:  # type: ignore[assignment]
+        self.cap = cap
+        self._ids: dict[str, None] = {}
+        self.add(list(ids))
+
+    def add(self, ids: list[str]) -> None:
+        for sid in ids:
+            self._ids[sid] = None
+        while len(self._ids) > self.cap:
+            del self._ids[next(iter(self._ids))]
+
+    def __contains__(self, sid: object) -> bool:
+        return sid in self._ids
+
+    def recent(self) -> list[str]:
+        return list(self._ids)
 
 
 def batch_stats(table: pa.Table, version: int) -> dict[str, float]:
@@ -106,6 +130,11 @@ class Trainer(tune.Trainable):
             self.envs = EnvRunnerGroup(self.cfg, self.app)
             self.publisher.followers.append(self.envs.buffer)
         self.updates = 0
+        # Exactly-once in effect: rows come under a lease, acknowledged once trained (or once
+        # a checkpoint holds the update, with training.checkpoint_every); rows delivered again
+        # (an expired lease, a restarted buffer) that were trained already are dropped here.
+        self.trained = TrainedIds(TRAINED_IDS_KEPT)
+        self._unacked: list[tuple[Any, list[int]]] = []  # (buffer, leases) not yet acked
         self.metrics = MetricsLogger()
         self.gauges = _Gauges(self.app)
         self.checkpoint_dir = Path(t.checkpoint_dir).expanduser()
@@ -134,7 +163,8 @@ class Trainer(tune.Trainable):
     def step(self) -> dict[str, Any]:
         t = self.cfg.training_cfg
         started = time.perf_counter()
-        result: dict[str, Any] = {"policy_version": self.version, "samples": 0}
+        result: dict[str, Any] = {"policy_version": self.version, "samples": 0,
+                                  "samples_repeated": 0}
         rm_rows: list[dict[str, Any]] = []
         with self.metrics.log_time("time_take_s", reduce="mean", window=WINDOW):
             if self.rla is not None:
@@ -144,9 +174,12 @@ class Trainer(tune.Trainable):
                 slices = self._take()
         if slices:
             table = fetch(slices, ray.get)
+            table, slices, result["samples_repeated"] = self._drop_trained(table, slices)
+        if slices:
             result.update(batch_stats(table, self.version))
             with self.metrics.log_time("time_update_s", reduce="mean", window=WINDOW):
                 result.update(self.learner.update(slices))
+            self.trained.add(table.column("sample_id").to_pylist())
             self.updates += 1
             if result.get("optimizer_steps", 0) and self.updates % t.sync_every == 0:
                 with self.metrics.log_time("time_sync_s", reduce="mean", window=WINDOW):
@@ -169,33 +202,69 @@ class Trainer(tune.Trainable):
             f.write(json.dumps({"iteration": self.iteration + 1, "time": time.time(),
                                 **_jsonable(result)}) + "\n")
         if t.checkpoint_every and (self.iteration + 1) % t.checkpoint_every == 0:
-            self.save_checkpoint(str(self.checkpoint_dir))
+            self.save_checkpoint(str(self.checkpoint_dir))  # acknowledges what it holds
+        elif not t.checkpoint_every:
+            self._ack()
         return result
+
+    def _leased(self, buffer: Any, slices: list[Any]) -> list[Any]:
+        """Remember the leases of a take, to acknowledge once their rows are trained."""
+        leases = sorted({s.lease for s in slices if s.lease is not None})
+        if leases:
+            self._unacked.append((buffer, leases))
+        return slices
+
+    def _ack(self) -> None:
+        """Tell the buffers the leased rows are trained (consumed)."""
+        pending, self._unacked = self._unacked, []
+        ray.get([buffer.ack.remote(leases) for buffer, leases in pending])
+
+    def _drop_trained(self, table: pa.Table, slices: list[Any]) -> tuple[pa.Table, list[Any], int]:
+        """Rows delivered again that were trained already (by ``sample_id``) are dropped; the
+        rest goes to the learner as one new slice when anything was dropped."""
+        ids = table.column("sample_id").to_pylist()
+        keep = [i for i, sid in enumerate(ids) if sid not in self.trained]
+        repeated = len(ids) - len(keep)
+        if not repeated:
+            return table, slices, 0
+        logger.warning("%d rows delivered again were trained already: dropped", repeated)
+        table = table.take(pa.array(keep, pa.int64())).combine_chunks()
+        if not keep:
+            return table, [], repeated
+        batch = table.to_batches()[0]
+        return table, [Slice(-1, ray.put(batch), 0, batch.num_rows)], repeated
 
     def _take(self) -> list[Any]:
         """This iteration's batch (slices of object refs) for the configured mode."""
         t = self.cfg.training_cfg
         live = self.pipeline.buffer
         if t.mode == "live":
-            return ray.get(live.take.remote(t.batch_size, t.take_timeout_s, t.min_batch))
+            return self._leased(live, ray.get(live.take.remote(t.batch_size, t.take_timeout_s,
+                                                               t.min_batch)))
         env = self.envs.buffer
         if t.mode == "env":
-            return ray.get(env.take.remote(t.batch_size, t.take_timeout_s, t.min_batch))
+            return self._leased(env, ray.get(env.take.remote(t.batch_size, t.take_timeout_s,
+                                                             t.min_batch)))
         n_env = round(t.batch_size * t.env_fraction)
         n_live = t.batch_size - n_env
+        first = len(self._unacked)
         # Each side waits for its share; whichever falls short is topped up from the other.
         env_ref = env.take.remote(n_env, t.take_timeout_s, 0) if n_env else None
         live_ref = live.take.remote(n_live, t.take_timeout_s, 0) if n_live else None
-        env_part = ray.get(env_ref) if env_ref else []
-        live_part = ray.get(live_ref) if live_ref else []
+        env_part = self._leased(env, ray.get(env_ref)) if env_ref else []
+        live_part = self._leased(live, ray.get(live_ref)) if live_ref else []
         slices = env_part + live_part
         short = t.batch_size - sum(s.length for s in slices)
         if short > 0:
             other = env if sum(s.length for s in live_part) < n_live else live
             have = ray.get(other.stats.remote()).get("available", 0)
             if have:
-                slices += ray.get(other.take.remote(min(short, have), 0.0, 1))
-        return slices if sum(s.length for s in slices) >= t.min_batch else []
+                slices += self._leased(other, ray.get(other.take.remote(min(short, have), 0.0, 1)))
+        if sum(s.length for s in slices) < t.min_batch:  # too few: give them back at once
+            mine, self._unacked = self._unacked[first:], self._unacked[:first]
+            ray.get([buffer.release.remote(leases) for buffer, leases in mine])
+            return []
+        return slices
 
     def _rlanything_take(self) -> tuple[list[Any], list[dict[str, Any]], dict[str, Any]]:
         """One RLAnything step up to the updates: its policy rows go through the env buffer
@@ -204,8 +273,8 @@ class Trainer(tune.Trainable):
         slices: list[Any] = []
         if policy_rows:
             ray.get(self.envs.buffer.add.remote(policy_rows))
-            slices = ray.get(self.envs.buffer.take.remote(
-                len(policy_rows), self.cfg.training_cfg.take_timeout_s, 1))
+            slices = self._leased(self.envs.buffer, ray.get(self.envs.buffer.take.remote(
+                len(policy_rows), self.cfg.training_cfg.take_timeout_s, 1)))
         return slices, rm_rows, metrics
 
     def _env_stats(self) -> dict[str, Any]:
@@ -238,8 +307,11 @@ class Trainer(tune.Trainable):
     def save_checkpoint(self, checkpoint_dir: str) -> dict[str, Any]:
         """Learner (model, optimizer, step) via DeepSpeed, plus the trainer's own state.
 
-        The buffer's consumed offset is the buffer's own durable checkpoint (advanced before
-        each batch is handed out); it is recorded here so a restore can report it."""
+        The buffer's consumed position is the buffer's own durable checkpoint, advanced by the
+        trainer's acknowledgements: after each update, or (with ``training.checkpoint_every``)
+        here, once the checkpoint holds the updates. The ids of recently trained rows are
+        saved with it: rows delivered again after a crash are dropped instead of trained
+        twice. The position is recorded here so a restore can report it."""
         path = Path(checkpoint_dir)
         path.mkdir(parents=True, exist_ok=True)
         buffer = ray.get(self.pipeline.buffer.stats.remote())
@@ -251,8 +323,10 @@ class Trainer(tune.Trainable):
                 str(path / "curriculum.json")))
         if self.rla is not None:
             self.rla.save(str(path))
+        state["trained_ids"] = self.trained.recent()
         self.learner.save(path / "learner", state)
         (path / "trainer.json").write_text(json.dumps(state))
+        self._ack()  # the checkpoint holds every update so far: their rows are consumed
         return state
 
     def load_checkpoint(self, checkpoint: str | dict[str, Any]) -> None:
@@ -260,6 +334,7 @@ class Trainer(tune.Trainable):
         state = json.loads((path / "trainer.json").read_text())
         self.learner.load(path / "learner")
         self.updates = int(state["updates"])
+        self.trained = TrainedIds(TRAINED_IDS_KEPT, state.get("trained_ids", []))
         # Serving may hold weights newer than the checkpoint (trained after it was taken):
         # the publisher republishes the checkpoint's weights then, so versions never go back.
         self.publisher.resume(int(state["policy_version"]))

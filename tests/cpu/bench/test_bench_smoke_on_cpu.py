@@ -63,12 +63,12 @@ def test_quick_run_of_inproc_and_peer_proxy_writes_complete_results(serving_benc
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def run_quick(script, out):
+def run_quick(script, out, timeout_s: float = 300):
     """``script --quick --out out`` in its own process; its JSON report."""
     import subprocess
 
     run = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
+                         capture_output=True, text=True, timeout=timeout_s, cwd=BENCH.parent)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -155,3 +155,25 @@ def test_prompt_token_bench_checks_ids_and_reports_both_methods(tmp_path, tiny_m
     assert len(report["rows"]) >= 6 and report["cache"]["enabled"]
     for row in report["rows"]:  # the script itself asserts equal ids before timing
         assert row["tokens"] > 17_000 and row["whole_ms"] > 0 and row["cached_ms"] > 0
+
+
+def test_quick_chaos_soak_loses_nothing_duplicates_nothing_trains_nothing_twice(
+        tiny_model_path, tmp_path):
+    """``bench/chaos.py --quick`` in its own process (its own Ray): a minute of sessions,
+    feedback and training while a hub, a voter, the buffer, a learner rank, an ingress replica
+    and the trainer job are killed one at a time."""
+    out = tmp_path / "chaos.json"
+    report = run_quick(BENCH / "chaos.py", out, timeout_s=600)
+
+    kinds = report["kills_by_kind"]
+    assert set(kinds) == {"hub", "voter", "buffer", "learner", "ingress", "trainer"}, kinds
+    turns, training, requests = report["turns"], report["training"], report["requests"]
+    assert turns["served"] >= 20, report["requests"]
+    assert turns["lost"] == 0, turns["lost_ids"]
+    assert turns["duplicated"] == 0
+    assert training["rows_trained"] > 0 and training["trained_twice"] == 0, training
+    assert training["restarts"] >= 1  # the trainer job (and the learner) did die
+    # A request fails only when it and its retry both met a dying replica.
+    assert requests["failed"] <= 2 * kinds["ingress"] * report["settings"]["users"], requests
+    assert report["peak_rss_mb"]["SessionHub"] > 0 and report["peak_rss_mb"]["SampleBuffer"] > 0
+    assert out.with_suffix(".png").stat().st_size > 10_000

@@ -76,12 +76,15 @@ def producer_cls(ray_cluster):
     return Producer
 
 
-def _take_retrying(ray, actor, n: int, timeout_s: float):
-    """A take that waits out a restart (taken rows are consumed, so no take may be in flight
-    while the actor is killed; the test kills only between takes)."""
+def _take_retrying(ray, actor, n: int, timeout_s: float, ack: bool = True):
+    """A take (acknowledged at once, as a trainer does after its update) that waits out a
+    restart; the test kills only between takes."""
     for _ in range(100):
         try:
-            return ray.get(actor.take.remote(n, timeout_s))
+            slices = ray.get(actor.take.remote(n, timeout_s))
+            if ack and slices:
+                ray.get(actor.ack.remote(sorted({s.lease for s in slices})))
+            return slices
         except Exception as exc:
             if type(exc).__name__ not in RETRYABLE:
                 raise
@@ -190,9 +193,33 @@ def test_slices_of_a_dead_owner_are_read_back_from_the_wal(ray_cluster, tmp_path
             ray.get(slices[0].ref, timeout=20)
         table = fetch_from_wal(cfg.path, slices)
         assert table.column("sample_id").to_pylist() == ["o-0", "o-1", "o-2"]
-        # and the restarted buffer delivers only the row that was not taken
-        assert fetch(_take_retrying(ray, actor, 1, 1.0), get=ray.get).column(
-            "sample_id").to_pylist() == ["o-3"]
+        # the restarted buffer delivers the three unacknowledged rows again, then the fourth
+        assert fetch(_take_retrying(ray, actor, 4, 1.0), get=ray.get).column(
+            "sample_id").to_pylist() == ["o-0", "o-1", "o-2", "o-3"]
+    finally:
+        _kill(ray, actor)
+
+
+def test_a_lease_never_acknowledged_is_delivered_again(ray_cluster, tmp_path):
+    """A trainer that dies between take and update: its lease expires and the rows go to the
+    next taker; acknowledged rows are consumed for good, across a restart of the buffer."""
+    ray = ray_cluster
+    actor, _ = _start(ray, tmp_path, seal_rows=100, seal_age_s=0.05, lease_s=1.0)
+    try:
+        ray.get(actor.add.remote([_row(f"l-{i}") for i in range(6)]))
+        lost = ray.get(actor.take.remote(4))  # the taker dies: never acknowledged
+        assert ray.get(actor.stats.remote())["leased_rows"] == 4
+        again = ray.get(actor.take.remote(6, 10.0), timeout=20)  # waits for the expiry
+        assert fetch(again, get=ray.get).column("sample_id").to_pylist() == [
+            f"l-{i}" for i in range(6)]
+        assert ray.get(actor.ack.remote([s.lease for s in lost])) == 0  # expired: nothing
+        assert ray.get(actor.ack.remote(sorted({s.lease for s in again}))) == 6
+        stats = ray.get(actor.stats.remote())
+        assert (stats["leases_expired"], stats["rows_redelivered"], stats["rows_acked"]) == (
+            1, 4, 6)
+        ray.kill(actor, no_restart=False)
+        _wait_restarted(ray, actor)
+        assert ray.get(actor.stats.remote())["available"] == 0  # consumed for good
     finally:
         _kill(ray, actor)
 

@@ -16,7 +16,9 @@ def test_every_turn_of_a_session_lands_on_one_policy_replica(served, tmp_path_fa
     from ray import serve
 
     from clawray.config import ClawRayConfig
+    from clawray.records import session_key
     from clawray.serve.app import build_app
+    from clawray.serve.auth import tenant_of_key
 
     cfg = ClawRayConfig().serving(
         api_keys=[API_KEY], record_sink=["jsonl"], layout="split", policy_replicas=2,
@@ -42,7 +44,8 @@ def test_every_turn_of_a_session_lands_on_one_policy_replica(served, tmp_path_fa
                 break
         assert len(seen) == 2, seen
         for sid in sessions:
-            holders = {rid: counts[sid] for rid, counts in seen.items() if sid in counts}
+            key = session_key(tenant_of_key(API_KEY), None, sid)  # routed per tenant's session
+            holders = {rid: counts[key] for rid, counts in seen.items() if key in counts}
             assert list(holders.values()) == [3], (sid, seen)
         assert all(seen.values())  # 12 sessions are spread, not all on one replica
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import openai
@@ -172,6 +173,37 @@ def test_a_key_reaches_only_its_own_sessions(client, served):
     records = {r.record_id: r for r in served.records(expected=3, session_id=sid)}
     assert records[other_rid].tenant == tenant_of_key(OTHER_KEY)
     assert records[rid].tenant == tenant_of_key(served.api_key)
+
+
+def test_a_hub_killed_mid_session_resumes_its_pending_turns(client, served):
+    """Turn 1 waits in its hub for its next state when the hub crashes; the restarted hub
+    resumes it from its journal: each served turn yields exactly one row."""
+    import ray
+
+    from clawray.records import session_key
+    from clawray.serve.auth import tenant_of_key
+    from clawray.sessions.hub import shard_of
+    from clawray.sessions.pipeline import journal_path
+
+    sid = f"live-crash-{uuid.uuid4().hex[:6]}"
+    h = {"X-Session-Id": sid}
+    m = [SYS, {"role": "user", "content": "Pick a number."}]
+    a1, rid1 = ask(client, served, m, h)
+    pipe = served.pipeline()
+    shard = shard_of(session_key(tenant_of_key(served.api_key), None, sid), len(pipe.hubs))
+    journal = Path(journal_path(served.config, served.app_name, shard))
+    deadline = time.time() + 10
+    while rid1 not in (journal.read_text() if journal.exists() else ""):
+        assert time.time() < deadline, "turn 1 never reached its hub's journal"
+        time.sleep(0.1)
+    ray.kill(pipe.hubs[shard], no_restart=False)  # a crash: the hub restarts empty...
+    m += [a1, {"role": "user", "content": "Thanks!"}]
+    _, rid2 = ask(client, served, m, {**h, "X-Session-Done": "1"})
+    rows = served.samples(expected=2, session_id=sid)
+    # ...and resumes turn 1 from its journal, which turn 2's request then continues
+    assert [(r["turn"], r["judge_status"]) for r in rows] == [(1, "judged"), (2, "no_next_state")]
+    assert [r["sample_id"] for r in rows] == [f"{rid1}/rl", f"{rid2}/rl"]
+    assert ray.get(pipe.hubs[shard].stats.remote())["replayed"] >= 1
 
 
 def test_feedback_endpoint(client, served):

@@ -60,7 +60,9 @@ def app(served, tmp_path_factory):
                     ingress_replicas=REPLICAS, replica_num_cpus=0.5)
            .sessions(idle_timeout_s=2, feedback_window_s=0, flush_interval_s=0.1)
            .judge(num_voters=1, timeout_s=20)
-           .buffer(path=str(tmp_path_factory.mktemp("trainer-samples")), seal_age_s=0.1)
+           # a short lease: a batch taken by a trainer that dies is delivered again soon
+           .buffer(path=str(tmp_path_factory.mktemp("trainer-samples")), seal_age_s=0.1,
+                   lease_s=10)
            .training(app=APP, batch_size=8, min_batch=2, take_timeout_s=20, lr=2e-3,
                      learner_num_cpus=0.5, checkpoint_dir=str(tmp_path_factory.mktemp("ckpt")),
                      sync_timeout_s=60))
@@ -158,12 +160,22 @@ def test_training_and_syncing_under_load_fail_no_request(app, trainer):
 
 
 def test_checkpoint_kill_restore_resumes_version_and_buffer_offset(app, trainer, tmp_path):
+    """Checkpoint, then the trainer takes a batch and dies before its update: a restored
+    trainer resumes version and buffer position, and trains the lost batch's rows once (its
+    lease expires, the rows come back)."""
+    from clawray.buffer.core import fetch
     from clawray.training.trainer import Trainer
 
     cfg, client = app
     saved = trainer.save_checkpoint(str(tmp_path))
-    consumed = ray.get(trainer.pipeline.buffer.stats.remote())["consumed"]
+    buffer = trainer.pipeline.buffer
+    consumed = ray.get(buffer.stats.remote())["consumed"]
     assert saved["policy_version"] == trainer.version and saved["buffer_consumed"] == consumed
+    for i in range(3):
+        _session(client, good=i % 2 == 0)
+    lost = trainer._take()  # taken under a lease, never trained nor acknowledged
+    lost_ids = fetch(lost, ray.get).column("sample_id").to_pylist()
+    assert lost_ids and ray.get(buffer.stats.remote())["leased_rows"] == len(lost_ids)
     trainer.learner.shutdown()  # the learner dies with its weights and optimizer
     fresh = Trainer(config=cfg.to_dict())
     try:
@@ -171,10 +183,17 @@ def test_checkpoint_kill_restore_resumes_version_and_buffer_offset(app, trainer,
         assert fresh.version == saved["policy_version"]
         assert fresh.updates == saved["updates"]
         assert ray.get(fresh.pipeline.buffer.stats.remote())["consumed"] == consumed
-        for i in range(3):
-            _session(client, good=i % 2 == 0)
         r = fresh.train()
         assert r["policy_version"] == saved["policy_version"] + 1
+        repeated = r["samples_repeated"]
+        for _ in range(3):  # rows waiting before them first; the lost ones after their lease
+            if all(sid in fresh.trained for sid in lost_ids):
+                break
+            repeated += fresh.train()["samples_repeated"]
+        assert all(sid in fresh.trained for sid in lost_ids) and repeated == 0
+        stats = ray.get(buffer.stats.remote())
+        assert stats["leased_rows"] == 0 and stats["rows_redelivered"] >= len(lost_ids)
+        assert stats["consumed"] != consumed  # acknowledged after the update
     finally:
         fresh.stop()
         trainer.learner = fresh.learner  # the module fixture's stop() must not fail

@@ -4,6 +4,7 @@ crash recovery from the Parquet WAL, and the WAL as an ordinary Parquet dataset.
 from __future__ import annotations
 
 import json
+import time
 import os
 
 import pandas as pd
@@ -269,3 +270,96 @@ def test_samples_cli_reports_stats_and_head_of_a_wal(tmp_path):
     lines = out.getvalue().splitlines()
     assert lines == ["sample_id='c-0'  prompt_ids=[20 ids]", "sample_id='c-1'  prompt_ids=[20 ids]"]
     assert main(["stats", str(tmp_path / "missing")]) == 2
+
+
+# ---------------------------------------------------------------------------- leases
+def leased(tmp_path, **kw) -> tuple[SampleBufferCore, FakeClock]:
+    clock = FakeClock()
+    kw.setdefault("seal_rows", 100)
+    return SampleBufferCore(tmp_path, lease_s=30.0, clock=clock, **kw), clock
+
+
+def test_rows_taken_but_never_acknowledged_survive_a_crash_of_everyone(tmp_path):
+    """The trainer dies between take and update, then the buffer restarts too: every row is
+    delivered again; once acknowledged, never again."""
+    core, _ = leased(tmp_path)
+    core.add(rows(0, 10))
+    core.seal()
+    taken = core.take(6)
+    assert {s.lease for s in taken} == {1} and ids(core, taken) == [f"s-{i:04d}" for i in range(6)]
+    assert core.stats()["leased_rows"] == 6 and core.available() == 4
+    again, _ = leased(tmp_path)  # a new core on the folder: leases do not survive it
+    slices = again.take(10)
+    assert ids(again, slices) == [f"s-{i:04d}" for i in range(10)]
+    assert again.ack([slices[0].lease]) == 10
+    third, _ = leased(tmp_path)
+    assert third.available() == 0 and third.stats()["consumed"] == {"seq": 0, "offset": 10}
+
+
+def test_an_expired_lease_goes_back_to_the_front_in_order(tmp_path):
+    core, clock = leased(tmp_path, seal_rows=4)
+    core.add(rows(0, 12))
+    core.seal()
+    a = core.take(3)
+    b = core.take(3)
+    clock.t += 31  # both expire: the trainer is gone
+    c = core.take(8)
+    assert ids(core, c) == [f"s-{i:04d}" for i in range(8)]
+    assert core.stats()["leases_expired"] == 2 and core.stats()["rows_redelivered"] == 6
+    assert core.ack([a[0].lease, b[0].lease]) == 0  # too late: settles nothing
+    assert core.ack([c[0].lease]) == 8
+    assert core.stats()["consumed"] == {"seq": 0, "offset": 8}
+    assert ids(core, core.take(4)) == [f"s-{i:04d}" for i in range(8, 12)]
+
+
+def test_acknowledgements_out_of_order_keep_the_unacknowledged_rows(tmp_path):
+    core, _ = leased(tmp_path)
+    core.add(rows(0, 10))
+    core.seal()
+    first, second = core.take(4), core.take(4)
+    core.ack([second[0].lease])
+    core.save_checkpoint()
+    saved = json.loads((tmp_path / CHECKPOINT).read_text())
+    assert saved == {"seq": 0, "offset": 0, "settled": {"0": [[4, 8]]}}
+    again, _ = leased(tmp_path)  # crash: rows 0-3 (unacknowledged) and 8-9 (untaken) only
+    assert ids(again, again.take(6)) == [f"s-{i:04d}" for i in (0, 1, 2, 3, 8, 9)]
+    core.ack([first[0].lease])
+    assert core.stats()["consumed"] == {"seq": 0, "offset": 8}
+
+
+def test_stale_rows_dropped_under_leases_are_settled(tmp_path):
+    core, _ = leased(tmp_path, max_staleness=1)
+    core.add(rows(0, 4, version=0) + rows(4, 8, version=5))
+    core.seal()
+    core.set_policy_version(5)
+    taken = core.take(4)
+    assert ids(core, taken) == [f"s-{i:04d}" for i in range(4, 8)]
+    core.ack([taken[0].lease])
+    assert core.stats()["consumed"] == {"seq": 0, "offset": 8}
+
+
+def test_retention_deletes_consumed_segments_only(tmp_path):
+    core, _ = leased(tmp_path, seal_rows=4, retain_gb=1e-9)  # ~1 byte: every consumed one
+    core.add(rows(0, 12))
+    core.seal()  # one segment per seal call: 0..11 in seg 0
+    core.add(rows(12, 16))
+    core.seal()
+    core.add(rows(16, 20))
+    core.seal()
+    taken = core.take(14)  # all of segment 0 and half of segment 1
+    core.ack([taken[0].lease])
+    core.save_checkpoint()
+    left = sorted(p.name for p in tmp_path.glob("seg-*"))
+    assert left == [segment_name(1), segment_name(2)]  # 1 still holds unconsumed rows
+    assert core.stats()["segments_deleted"] == 1
+    again, _ = leased(tmp_path)
+    assert ids(again, again.take(6)) == [f"s-{i:04d}" for i in range(14, 20)]
+    old, _ = leased(tmp_path / "old", retain_days=1.0)
+    old.add(rows(0, 4))
+    old.seal()
+    old.ack([old.take(4)[0].lease])
+    old.add(rows(4, 8))
+    old.seal()
+    old.save_checkpoint()
+    assert old.collect_garbage(now=time.time() + 0.5 * 86400) == []  # not old enough yet
+    assert old.collect_garbage(now=time.time() + 2 * 86400) == [0]

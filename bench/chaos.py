@@ -1,0 +1,543 @@
+"""Chaos soak: live sessions, feedback and training while the parts die one at a time.
+
+    .venv/bin/python bench/chaos.py --quick      # ~1 minute of chaos (CI runs it)
+    .venv/bin/python bench/chaos.py              # 5 minutes (docs/reliability.md)
+    .venv/bin/python bench/chaos.py --duration-s 600 --users 6 --kill-every-s 15
+
+On loopback only, one local Ray cluster runs a clawray app (two colocated ingress replicas,
+the transformers engine, two SessionHubs, two PRM voters, the SampleBuffer) and a live
+Trainer (DeepSpeed, checkpoint every 2 iterations) that trains and syncs weights into the
+replicas. Simulated clients (the official ``openai`` SDK, streaming, a tool in every request)
+run 3-turn sessions and rate some replies through ``/v1/feedback``. A chaos driver kills, one at
+a time, in a seeded random order that covers every kind before repeating one: a SessionHub, a
+PRM voter, the SampleBuffer, a learner rank, an ingress replica, or the trainer job (it dies
+right after taking a batch, before its update; the job is restarted from its last checkpoint,
+as a Ray job with retries would be). A killed learner rank or buffer call fails the trainer's
+iteration the same way.
+
+Reported (``bench/results/chaos.json``, ``.png``; the table is printed):
+
+- requests sent / failed: a client retries a failed or cut request once (``X-Retry: 1``); a
+  request fails when its retry fails too; p50/p99 latency of the completed ones
+- turns served (completed main turns) against the sample log: lost (a served turn without its
+  row), duplicated (a ``sample_id`` twice in the log)
+- rows trained, and trained twice: a row trained again by weights that already hold it (a
+  restored trainer's lineage starts at its checkpoint, so rows of updates the crash lost are
+  retrained, as they must be)
+- peak memory (RSS) of each actor class, sampled every 2 s
+- every kill, with its time
+
+Goal: 0 lost, 0 duplicated, 0 trained twice, failed requests only those in flight on a replica
+at the instant it died.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import logging
+import os
+import random
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+APP = "chaos"
+KEY = "sk-chaos-local"
+KINDS = ("hub", "voter", "buffer", "learner", "ingress", "trainer")
+TOOLS = [{"type": "function", "function": {
+    "name": "ls", "description": "List files in a directory.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                   "required": ["path"]}}}]
+REPLIES = ("Thanks, that works.", "That's wrong, try again.", "OK, next one please.")
+
+log = logging.getLogger("chaos")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_config(work: Path, port: int) -> Any:
+    from clawray.config import ClawRayConfig
+
+    return (ClawRayConfig()
+            .inference(engine="hf", max_running=16)
+            .serving(host="127.0.0.1", port=port, api_keys=[KEY], record_sink=["hub"],
+                     ingress_replicas=2, replica_num_cpus=0.25, default_max_tokens=12)
+            .sessions(num_hubs=2, idle_timeout_s=4, feedback_window_s=1, flush_interval_s=0.2)
+            .judge(num_voters=2, timeout_s=20)
+            .buffer(path=str(work / "samples"), seal_age_s=0.2, lease_s=15)
+            .training(app=APP, batch_size=16, min_batch=4, take_timeout_s=3, lr=1e-4,
+                      learner_num_cpus=0.25, checkpoint_every=2, sync_timeout_s=60,
+                      checkpoint_dir=str(work / "ckpt"), metrics_path=str(work / "m.jsonl")))
+
+
+# ---------------------------------------------------------------------------- clients
+class Clients:
+    """Seeded users running 3-turn streaming sessions; counts every request's fate."""
+
+    def __init__(self, base_url: str, users: int, seed: int) -> None:
+        import openai
+
+        self.client = openai.AsyncOpenAI(base_url=base_url, api_key=KEY, max_retries=0,
+                                         timeout=60)
+        self.base_url, self.users, self.seed = base_url, users, seed
+        self.stop = asyncio.Event()
+        self.sent = self.failed = self.retried_ok = self.cut = self.feedback_ok = 0
+        self.feedback_failed = 0
+        self.served: list[str] = []  # response ids of completed main turns
+        self.latencies: list[tuple[float, float]] = []  # (time, seconds) of completed ones
+        self.errors: collections.Counter[str] = collections.Counter()
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self._user(i) for i in range(self.users)))
+
+    async def _user(self, i: int) -> None:
+        rng = random.Random(self.seed * 1000 + i)
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            sid = f"chaos-{self.seed}-{i}-{n}"
+            msgs = [{"role": "system", "content": "You are a file assistant."},
+                    {"role": "user", "content": f"List the files in folder {rng.randint(1, 99)}."}]
+            for turn in range(3):
+                last = turn == 2
+                headers = {"X-Session-Id": sid, **({"X-Session-Done": "1"} if last else {})}
+                out = await self._ask(msgs, headers)
+                if out is None:
+                    break  # the session is abandoned, as a user would after an error
+                text, rid = out
+                if rng.random() < 0.3:
+                    await self._feedback(rid, rng.choice(("up", "down")))
+                msgs += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": rng.choice(REPLIES)}]
+
+    async def _ask(self, msgs: list[dict[str, Any]], headers: dict[str, str]
+                   ) -> tuple[str, str] | None:
+        for attempt in range(2):
+            self.sent += 1
+            t0 = time.monotonic()
+            rid, text, done = None, "", False
+            try:
+                stream = await self.client.chat.completions.create(
+                    model="clawray-tiny", messages=msgs, tools=TOOLS, stream=True,
+                    max_tokens=12, extra_headers={**headers, **({"X-Retry": "1"} if attempt
+                                                                 else {})})
+                async for chunk in stream:
+                    rid = chunk.id
+                    for ch in chunk.choices:
+                        text += ch.delta.content or ""
+                        done = done or ch.finish_reason is not None
+                if not done:
+                    raise RuntimeError("stream ended without a finish reason")
+            except Exception as e:  # noqa: BLE001 - every failure is counted
+                self.errors[type(e).__name__] += 1
+                if rid is not None:
+                    self.cut += 1
+                continue
+            self.served.append(rid)
+            self.latencies.append((time.time(), time.monotonic() - t0))
+            self.retried_ok += attempt
+            return text, rid
+        self.failed += 1
+        return None
+
+    async def _feedback(self, rid: str, rating: str) -> None:
+        import httpx
+
+        try:
+            async with httpx.AsyncClient(timeout=10) as http:
+                r = await http.post(self.base_url + "/feedback",
+                                    json={"response_id": rid, "rating": rating},
+                                    headers={"Authorization": f"Bearer {KEY}"})
+            ok = r.status_code in (200, 404, 409)  # 404: not in its hub yet; 409: sealed
+            self.feedback_ok += ok
+            self.feedback_failed += not ok
+        except Exception:  # noqa: BLE001
+            self.feedback_failed += 1
+
+
+# ---------------------------------------------------------------------------- trainer
+class TrainerJob:
+    """The training job in a thread: a crashed iteration restarts it from its checkpoint."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.ckpt = Path(cfg.training_cfg.checkpoint_dir)
+        self.stop = threading.Event()
+        self.kill = threading.Event()
+        self.trainer: Any = None
+        self.restarts = self.updates = self.iterations = 0
+        self.trained_rows = self.trained_twice = self.repeats_dropped = 0
+        self.errors: collections.Counter[str] = collections.Counter()
+        self.lineage: set[str] = set()
+
+    def _start(self) -> Any:
+        from clawray.training.trainer import Trainer
+
+        t = Trainer(config=self.cfg.to_dict())
+        if (self.ckpt / "trainer.json").exists():
+            t.restore(str(self.ckpt))
+        self.lineage = set(t.trained.recent())  # what these weights already hold
+        add = t.trained.add
+
+        def trained(ids: list[str]) -> None:
+            self.trained_rows += len(ids)
+            self.trained_twice += sum(i in self.lineage for i in ids)
+            self.lineage.update(ids)
+            add(ids)
+
+        t.trained.add = trained
+        take = t._take
+
+        def take_then_maybe_die() -> list[Any]:
+            slices = take()
+            if slices and self.kill.is_set():
+                self.kill.clear()
+                raise RuntimeError("chaos: the trainer job died after taking a batch")
+            return slices
+
+        t._take = take_then_maybe_die
+        return t
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                if self.trainer is None:
+                    self.trainer = self._start()
+                r = self.trainer.train()
+                self.iterations += 1
+                self.updates += bool(r.get("optimizer_steps"))
+                self.repeats_dropped += r.get("samples_repeated", 0)
+            except Exception as e:  # noqa: BLE001 - the job crashed: restart it
+                self.errors[type(e).__name__] += 1
+                log.warning("trainer job died (%s: %s); restarting from its checkpoint",
+                            type(e).__name__, str(e)[:200])
+                self.restarts += 1
+                old, self.trainer = self.trainer, None
+                if old is not None:
+                    try:
+                        old.cleanup()
+                    except Exception:  # noqa: BLE001 - its actors may be dead already
+                        pass
+                time.sleep(1.0)
+        if self.trainer is not None:
+            self.trainer.cleanup()
+
+    def learner_workers(self) -> list[Any]:
+        t = self.trainer
+        return list(getattr(getattr(t, "learner", None), "workers", []) or [])
+
+
+# ---------------------------------------------------------------------------- chaos
+def _alive(class_name: str) -> list[Any]:
+    from ray.util.state import list_actors
+
+    return [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
+            if a.class_name == class_name]
+
+
+def kill_one(kind: str, pipeline: Any, job: TrainerJob, rng: random.Random) -> str:
+    """Kill one part of ``kind``; returns what was killed."""
+    import ray
+
+    if kind == "hub":
+        i = rng.randrange(len(pipeline.hubs))
+        ray.kill(pipeline.hubs[i], no_restart=False)
+        return f"hub {i}"
+    if kind == "voter":
+        i = rng.randrange(len(pipeline.voters))
+        ray.kill(pipeline.voters[i], no_restart=False)
+        return f"voter {i}"
+    if kind == "buffer":
+        ray.kill(pipeline.buffer, no_restart=False)
+        return "sample buffer"
+    if kind == "learner":
+        workers = job.learner_workers()
+        if not workers:
+            return "learner (none running)"
+        i = rng.randrange(len(workers))
+        ray.kill(workers[i])
+        return f"learner rank {i}"
+    if kind == "ingress":
+        replicas = _alive(f"ServeReplica:{APP}:Ingress")
+        if not replicas:
+            return "ingress (none alive)"
+        victim = rng.choice(replicas)
+        ray.kill(ray.get_actor(victim.name, namespace="serve"), no_restart=True)
+        return f"ingress replica {victim.name.rsplit('#', 1)[-1]}"
+    job.kill.set()
+    return "trainer job (after its next take)"
+
+
+def sample_memory(peaks: dict[str, float]) -> None:
+    import psutil
+
+    from ray.util.state import list_actors
+
+    for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000):
+        try:
+            rss = psutil.Process(a.pid).memory_info().rss / 2**20
+        except (psutil.Error, TypeError, ValueError):
+            continue
+        name = a.class_name.split(":")[-1]
+        peaks[name] = max(peaks.get(name, 0.0), rss)
+
+
+# ---------------------------------------------------------------------------- the run
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+    from ray import serve
+
+    from clawray.serve.app import build_app
+    from clawray.sessions.pipeline import attach_live_pipeline
+
+    work = Path(tempfile.mkdtemp(prefix="clawray-chaos-"))
+    port = free_port()
+    cfg = make_config(work, port)
+    own = not ray.is_initialized()
+    if own:
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+                 logging_level="WARNING")
+    rng = random.Random(args.seed)
+    kills: list[dict[str, Any]] = []
+    peaks: dict[str, float] = {}
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port},
+                    logging_config={"log_level": "WARNING", "enable_access_log": False})
+        serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
+        base = f"http://127.0.0.1:{port}/{APP}/v1"
+        pipeline = attach_live_pipeline(cfg, APP)
+        job = TrainerJob(cfg)
+        trainer = threading.Thread(target=job.run, name="trainer-job", daemon=True)
+        trainer.start()
+        started = time.time()
+        while job.iterations < 1:  # the job is up (its learner ready) before the chaos begins
+            if time.time() - started > 300:
+                raise RuntimeError(f"the trainer job did not start: {dict(job.errors)}")
+            time.sleep(0.5)
+        clients = Clients(base, args.users, args.seed)
+        t0 = time.time()
+        stop_chaos = threading.Event()
+
+        def chaos() -> None:
+            order: list[str] = []
+            next_kill = t0 + args.warmup_s
+            next_mem = 0.0
+            while not stop_chaos.is_set():
+                now = time.time()
+                if now >= next_mem:
+                    try:
+                        sample_memory(peaks)
+                    except Exception:  # noqa: BLE001 - measurement only
+                        log.debug("memory sample failed", exc_info=True)
+                    next_mem = now + 2.0
+                if now >= next_kill:
+                    if not order:
+                        order = list(KINDS)
+                        rng.shuffle(order)
+                    kind = order.pop()
+                    try:
+                        what = kill_one(kind, pipeline, job, rng)
+                    except Exception as e:  # noqa: BLE001 - e.g. the actor was restarting
+                        what = f"{kind}: kill failed ({type(e).__name__})"
+                    kills.append({"t": round(now - t0, 1), "kind": kind, "what": what})
+                    print(f"[{now - t0:6.1f} s] killed {what}", flush=True)
+                    next_kill = now + args.kill_every_s
+                time.sleep(0.2)
+
+        chaos_thread = threading.Thread(target=chaos, name="chaos", daemon=True)
+        chaos_thread.start()
+
+        async def drive() -> None:
+            task = asyncio.create_task(clients.run())
+            while time.time() - t0 < args.duration_s:
+                await asyncio.sleep(1.0)
+                if args.progress:
+                    print(f"[{time.time() - t0:6.1f} s] requests {clients.sent}, served "
+                          f"{len(clients.served)}, failed {clients.failed}; trainer "
+                          f"{job.iterations} iterations, {job.restarts} restarts", flush=True)
+            clients.stop.set()  # users finish the turn they are in
+            await task
+
+        asyncio.run(drive())
+        stop_chaos.set()
+        chaos_thread.join()
+        # Let everything finish: idle sessions close, hubs write, the trainer trains the rest.
+        time.sleep(cfg.sessions_cfg.idle_timeout_s + 2)
+        _flush(pipeline)
+        drain_until = time.time() + args.drain_s
+        while time.time() < drain_until:
+            try:
+                st = ray.get(pipeline.buffer.stats.remote(), timeout=10)
+                if st["available"] == 0 and st["leased_rows"] == 0 and job.trainer is not None:
+                    break
+            except Exception:  # noqa: BLE001 - restarting
+                pass
+            time.sleep(1.0)
+        job.stop.set()
+        trainer.join(timeout=120)
+        sample_memory(peaks)
+        return report(args, cfg, clients, job, kills, peaks, work, time.time() - t0)
+    finally:
+        try:
+            serve.delete(APP)
+        except Exception:  # noqa: BLE001
+            pass
+        if own:
+            ray.shutdown()
+
+
+def _flush(pipeline: Any, timeout_s: float = 120.0) -> None:
+    """Every hub and the buffer written out, waiting out restarts."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            pipeline.flush(30.0)
+            return
+        except Exception:  # noqa: BLE001 - a part still restarting
+            if time.time() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+def report(args: argparse.Namespace, cfg: Any, clients: Clients, job: TrainerJob,
+           kills: list[dict[str, Any]], peaks: dict[str, float], work: Path,
+           seconds: float) -> dict[str, Any]:
+    import pyarrow.dataset as ds
+
+    table = ds.dataset(str(work / "samples"), format="parquet").to_table(
+        columns=["sample_id"])
+    sample_ids = table.column("sample_id").to_pylist()
+    rows_by_turn = collections.Counter(s.rsplit("/", 1)[0] for s in sample_ids)
+    served = clients.served
+    lat = np.array([s for _, s in clients.latencies]) * 1000 if clients.latencies else None
+    out = {
+        "benchmark": "chaos",
+        "settings": {"duration_s": args.duration_s, "users": args.users,
+                     "kill_every_s": args.kill_every_s, "warmup_s": args.warmup_s,
+                     "seed": args.seed, "engine": cfg.inference_cfg.engine,
+                     "ingress_replicas": cfg.serving_cfg.ingress_replicas,
+                     "hubs": cfg.sessions_cfg.num_hubs, "voters": cfg.judge_cfg.num_voters,
+                     "lease_s": cfg.buffer_cfg.lease_s,
+                     "checkpoint_every": cfg.training_cfg.checkpoint_every},
+        "seconds": round(seconds, 1),
+        "requests": {"sent": clients.sent, "completed": len(served), "failed": clients.failed,
+                     "retried_ok": clients.retried_ok, "cut_mid_stream": clients.cut,
+                     "errors": dict(clients.errors)},
+        "latency_ms": ({"p50": round(float(np.percentile(lat, 50)), 1),
+                        "p99": round(float(np.percentile(lat, 99)), 1)}
+                       if lat is not None else None),
+        "feedback": {"ok": clients.feedback_ok, "failed": clients.feedback_failed},
+        "turns": {"served": len(served), "rows": len(sample_ids),
+                  "lost": sum(rows_by_turn[r] == 0 for r in served),
+                  "duplicated": len(sample_ids) - len(set(sample_ids)),
+                  "lost_ids": [r for r in served if rows_by_turn[r] == 0][:10]},
+        "training": {"iterations": job.iterations, "updates": job.updates,
+                     "restarts": job.restarts, "rows_trained": job.trained_rows,
+                     "trained_twice": job.trained_twice,
+                     "repeats_dropped": job.repeats_dropped, "errors": dict(job.errors)},
+        "kills": kills,
+        "kills_by_kind": dict(collections.Counter(k["kind"] for k in kills)),
+        "peak_rss_mb": {k: round(v, 1) for k, v in sorted(peaks.items())},
+        "latency_timeline": [(round(t, 2), round(s * 1000, 1)) for t, s in clients.latencies],
+    }
+    return out
+
+
+def print_table(r: dict[str, Any]) -> None:
+    q, t, tr = r["requests"], r["turns"], r["training"]
+    print(f"chaos soak: {r['seconds']:.0f} s, {len(r['kills'])} kills "
+          f"({', '.join(f'{k} {n}' for k, n in sorted(r['kills_by_kind'].items()))})")
+    print(f"  requests: {q['sent']} sent, {q['completed']} completed, {q['failed']} failed "
+          f"({q['retried_ok']} succeeded on their retry, {q['cut_mid_stream']} cut mid-stream)")
+    if r["latency_ms"]:
+        print(f"  latency: p50 {r['latency_ms']['p50']:.0f} ms, p99 {r['latency_ms']['p99']:.0f} ms")
+    print(f"  turns served {t['served']}, rows {t['rows']}: lost {t['lost']}, "
+          f"duplicated {t['duplicated']}")
+    print(f"  training: {tr['iterations']} iterations, {tr['updates']} updates, "
+          f"{tr['restarts']} job restarts, {tr['rows_trained']} rows trained, "
+          f"{tr['trained_twice']} trained twice, {tr['repeats_dropped']} repeats dropped")
+    print("  peak RSS (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in r["peak_rss_mb"].items()))
+
+
+def save_plot(r: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timeline = r["latency_timeline"]
+    if not timeline:
+        return
+    start = timeline[0][0] - 1
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    ax.scatter([t - start for t, _ in timeline], [ms for _, ms in timeline], s=6,
+               label="completed request")
+    colors = dict(zip(KINDS, ("C1", "C2", "C3", "C4", "C5", "C6")))
+    for k in r["kills"]:
+        ax.axvline(k["t"], color=colors.get(k["kind"], "k"), alpha=0.6, lw=1)
+    for kind, color in colors.items():
+        ax.plot([], [], color=color, label=f"kill: {kind}")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("request latency (ms)")
+    ax.set_yscale("log")
+    t = r["turns"]
+    ax.set_title(f"chaos soak: {t['served']} turns served, {t['lost']} lost, "
+                 f"{t['duplicated']} duplicated, {r['training']['trained_twice']} trained twice")
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="~1 minute of chaos (CI)")
+    p.add_argument("--duration-s", type=float, default=None, help="default 300 (60 quick)")
+    p.add_argument("--users", type=int, default=None, help="default 4 (3 quick)")
+    p.add_argument("--kill-every-s", type=float, default=None, help="default 20 (8 quick)")
+    p.add_argument("--warmup-s", type=float, default=None,
+                   help="no kill before this (default 15; 8 quick)")
+    p.add_argument("--drain-s", type=float, default=60.0,
+                   help="after the chaos, let the trainer train what is left for up to this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress", action="store_true", help="a line every second")
+    p.add_argument("--out", type=Path, default=RESULTS / "chaos.json")
+    args = p.parse_args(argv)
+    defaults = ({"duration_s": 60.0, "users": 3, "kill_every_s": 8.0, "warmup_s": 8.0}
+                if args.quick else
+                {"duration_s": 300.0, "users": 4, "kill_every_s": 20.0, "warmup_s": 15.0})
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
+    r = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(r, indent=2))
+    save_plot(r, args.out.with_suffix(".png"))
+    print_table(r)
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -242,11 +242,26 @@ class TrainerJob:
 
 
 # ---------------------------------------------------------------------------- chaos
-def _alive(class_name: str) -> list[Any]:
-    from ray.util.state import list_actors
+def _ray_processes() -> list[tuple[Any, str]]:
+    """(process, actor class) of this machine's Ray actor processes, by their title
+    (``ray::SessionHub``; Serve replicas ``ray::ServeReplica:app:Deployment``)."""
+    import psutil
+    import ray
 
-    return [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
-            if a.class_name == class_name]
+    session = ray._private.worker._global_node.get_session_dir_path()
+    raylets = [p for p in psutil.process_iter(["cmdline"])
+               if any("raylet" in c for c in (p.info.get("cmdline") or [])[:1])
+               and any(session in c for c in p.info.get("cmdline") or [])]
+    out = []
+    for raylet in raylets:  # this cluster's workers only, not another one's on the machine
+        for proc in raylet.children(recursive=True):
+            try:
+                cmd = proc.cmdline()
+            except psutil.Error:
+                continue
+            if cmd and cmd[0].startswith("ray::") and not cmd[0].startswith("ray::IDLE"):
+                out.append((proc, cmd[0][5:].split(".")[0].split()[0]))
+    return out
 
 
 def kill_one(kind: str, pipeline: Any, job: TrainerJob, rng: random.Random) -> str:
@@ -272,12 +287,14 @@ def kill_one(kind: str, pipeline: Any, job: TrainerJob, rng: random.Random) -> s
         ray.kill(workers[i])
         return f"learner rank {i}"
     if kind == "ingress":
-        replicas = _alive(f"ServeReplica:{APP}:Ingress")
+        replicas = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                          if a["namespace"] == "serve"
+                          and a["name"].startswith(f"SERVE_REPLICA::{APP}#Ingress#"))
         if not replicas:
             return "ingress (none alive)"
         victim = rng.choice(replicas)
-        ray.kill(ray.get_actor(victim.name, namespace="serve"), no_restart=True)
-        return f"ingress replica {victim.name.rsplit('#', 1)[-1]}"
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        return f"ingress replica {victim.rsplit('#', 1)[-1]}"
     job.kill.set()
     return "trainer job (after its next take)"
 
@@ -285,14 +302,12 @@ def kill_one(kind: str, pipeline: Any, job: TrainerJob, rng: random.Random) -> s
 def sample_memory(peaks: dict[str, float]) -> None:
     import psutil
 
-    from ray.util.state import list_actors
-
-    for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000):
+    for proc, cls in _ray_processes():
         try:
-            rss = psutil.Process(a.pid).memory_info().rss / 2**20
-        except (psutil.Error, TypeError, ValueError):
+            rss = proc.memory_info().rss / 2**20
+        except psutil.Error:
             continue
-        name = a.class_name.split(":")[-1]
+        name = cls.split(":")[-1]
         peaks[name] = max(peaks.get(name, 0.0), rss)
 
 

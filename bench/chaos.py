@@ -182,7 +182,9 @@ class TrainerJob:
         self.restarts = self.updates = self.iterations = 0
         self.trained_rows = self.trained_twice = self.repeats_dropped = 0
         self.errors: collections.Counter[str] = collections.Counter()
+        self.left_in_buffer: dict[str, Any] = {}
         self.lineage: set[str] = set()
+        self.ever: set[str] = set()  # every row some update trained, across restarts
 
     def _start(self) -> Any:
         from clawray.training.trainer import Trainer
@@ -197,6 +199,7 @@ class TrainerJob:
             self.trained_rows += len(ids)
             self.trained_twice += sum(i in self.lineage for i in ids)
             self.lineage.update(ids)
+            self.ever.update(ids)
             add(ids)
 
         t.trained.add = trained
@@ -394,14 +397,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(cfg.sessions_cfg.idle_timeout_s + 2)
         _flush(pipeline)
         drain_until = time.time() + args.drain_s
+        left: dict[str, Any] = {}
         while time.time() < drain_until:
             try:
                 st = ray.get(pipeline.buffer.stats.remote(), timeout=10)
+                left = {"available": st["available"], "leased": st["leased_rows"]}
                 if st["available"] == 0 and st["leased_rows"] == 0 and job.trainer is not None:
                     break
             except Exception:  # noqa: BLE001 - restarting
                 pass
             time.sleep(1.0)
+        job.left_in_buffer = left
         job.stop.set()
         trainer.join(timeout=120)
         sample_memory(peaks)
@@ -462,6 +468,9 @@ def report(args: argparse.Namespace, cfg: Any, clients: Clients, job: TrainerJob
                   "lost_ids": [r for r in served if rows_by_turn[r] == 0][:10]},
         "training": {"iterations": job.iterations, "updates": job.updates,
                      "restarts": job.restarts, "rows_trained": job.trained_rows,
+                     "rows_trained_unique": len(job.ever & set(sample_ids)),
+                     "rows_never_trained": len(set(sample_ids) - job.ever),
+                     "left_in_buffer_after_drain": job.left_in_buffer,
                      "trained_twice": job.trained_twice,
                      "repeats_dropped": job.repeats_dropped, "errors": dict(job.errors)},
         "kills": kills,
@@ -483,7 +492,9 @@ def print_table(r: dict[str, Any]) -> None:
     print(f"  turns served {t['served']}, rows {t['rows']}: lost {t['lost']}, "
           f"duplicated {t['duplicated']}")
     print(f"  training: {tr['iterations']} iterations, {tr['updates']} updates, "
-          f"{tr['restarts']} job restarts, {tr['rows_trained']} rows trained, "
+          f"{tr['restarts']} job restarts, {tr['rows_trained']} rows trained "
+          f"({tr['rows_trained_unique']} distinct; {tr['rows_never_trained']} never, "
+          f"buffer after the drain {tr['left_in_buffer_after_drain']}), "
           f"{tr['trained_twice']} trained twice, {tr['repeats_dropped']} repeats dropped")
     print("  peak RSS (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in r["peak_rss_mb"].items()))
 
@@ -526,15 +537,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kill-every-s", type=float, default=None, help="default 20 (8 quick)")
     p.add_argument("--warmup-s", type=float, default=None,
                    help="no kill before this (default 15; 8 quick)")
-    p.add_argument("--drain-s", type=float, default=60.0,
-                   help="after the chaos, let the trainer train what is left for up to this")
+    p.add_argument("--drain-s", type=float, default=None,
+                   help="after the chaos, let the trainer train what is left for up to this "
+                   "(default 180; 90 quick)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="a line every second")
     p.add_argument("--out", type=Path, default=RESULTS / "chaos.json")
     args = p.parse_args(argv)
-    defaults = ({"duration_s": 60.0, "users": 3, "kill_every_s": 8.0, "warmup_s": 8.0}
-                if args.quick else
-                {"duration_s": 300.0, "users": 4, "kill_every_s": 20.0, "warmup_s": 15.0})
+    defaults = ({"duration_s": 60.0, "users": 3, "kill_every_s": 8.0, "warmup_s": 8.0,
+                 "drain_s": 90.0} if args.quick else
+                {"duration_s": 300.0, "users": 4, "kill_every_s": 20.0, "warmup_s": 15.0,
+                 "drain_s": 180.0})
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -173,6 +173,10 @@ def test_quick_chaos_soak_loses_nothing_duplicates_nothing_trains_nothing_twice(
     assert turns["duplicated"] == 0
     assert training["rows_trained"] > 0 and training["trained_twice"] == 0, training
     assert training["restarts"] >= 1  # the trainer job (and the learner) did die
+    # every row the buffer settled was trained by some update (no staleness limit here)
+    left = training["left_in_buffer_after_drain"]
+    assert training["rows_never_trained"] <= left.get("available", 0) + left.get("leased", 0), \
+        training
     # A request fails only when it and its retry both met a dying replica.
     assert requests["failed"] <= 2 * kinds["ingress"] * report["settings"]["users"], requests
     assert report["peak_rss_mb"]["SessionHub"] > 0 and report["peak_rss_mb"]["SampleBuffer"] > 0

@@ -53,10 +53,11 @@ def core_sender(core: Any, body: bytes) -> Sender:
 
 async def engine_sender(core: Any, body: bytes) -> Sender:
     """The engine alone, with the prompt ids and sampling settings the ingress would use."""
+    from clawray.serve.openai_chat import to_turn_request
     from clawray.serve.protocol import parse_request
 
     req, fields = parse_request(body)
-    turn = await core.service.prepare(req, {}, fields)
+    turn = await core.service.prepare(to_turn_request(req, fields), {})
     prompt_ids, params, stream = turn.prompt_ids, turn.params, req.stream
     engine = core.core.engine
 

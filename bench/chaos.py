@@ -1,6 +1,6 @@
 """Chaos soak: live sessions, feedback and training while the parts die one at a time.
 
-    .venv/bin/python bench/chaos.py --quick      # ~1 minute of chaos (CI runs it)
+    .venv/bin/python bench/chaos.py --quick      # 42 s of chaos (CI runs it)
     .venv/bin/python bench/chaos.py              # 5 minutes (docs/reliability.md)
     .venv/bin/python bench/chaos.py --duration-s 600 --users 6 --kill-every-s 15
 
@@ -531,10 +531,10 @@ def save_plot(r: dict[str, Any], path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="~1 minute of chaos (CI)")
-    p.add_argument("--duration-s", type=float, default=None, help="default 300 (60 quick)")
+    p.add_argument("--quick", action="store_true", help="42 s of chaos, a kill every 6 s (CI)")
+    p.add_argument("--duration-s", type=float, default=None, help="default 300 (42 quick)")
     p.add_argument("--users", type=int, default=None, help="default 4 (3 quick)")
-    p.add_argument("--kill-every-s", type=float, default=None, help="default 20 (8 quick)")
+    p.add_argument("--kill-every-s", type=float, default=None, help="default 20 (6 quick)")
     p.add_argument("--warmup-s", type=float, default=None,
                    help="no kill before this (default 15; 8 quick)")
     p.add_argument("--drain-s", type=float, default=None,
@@ -544,7 +544,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--progress", action="store_true", help="a line every second")
     p.add_argument("--out", type=Path, default=RESULTS / "chaos.json")
     args = p.parse_args(argv)
-    defaults = ({"duration_s": 60.0, "users": 3, "kill_every_s": 8.0, "warmup_s": 8.0,
+    defaults = ({"duration_s": 42.0, "users": 3, "kill_every_s": 6.0, "warmup_s": 8.0,
                  "drain_s": 90.0} if args.quick else
                 {"duration_s": 300.0, "users": 4, "kill_every_s": 20.0, "warmup_s": 15.0,
                  "drain_s": 180.0})

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     cache = SegmentCache(tok)
     assert cache.enabled, cache.reason
     rows = []
-    for path in sorted(FIXTURES.glob("*.json")):
+    for path in sorted(FIXTURES.glob("session_*.json")):
         req = ChatCompletionRequest(**json.loads(path.read_text())["body"])
         text = tok.apply_chat_template(normalize_messages(req.messages),
                                        tools=normalize_tools(req.tools),

@@ -131,6 +131,13 @@ class ServingConfig(_Section):
         131072, ge=1, description="A max_tokens above this is rejected as absurd (HTTP 400)."
     )
     max_n: int = Field(16, ge=1)
+    reasoning_parser: Literal["auto", "think", "none"] = Field(
+        "auto", description="Split a reply's <think>…</think> into reasoning_content (Chat "
+        "Completions), a reasoning item (Responses), a thinking block (Messages). 'auto': when "
+        "the tokenizer has <think> and </think> tokens; 'none': leave it in the content.")
+    responses_kept: int = Field(
+        10_000, ge=1, description="Responses API: stored responses (previous_response_id, "
+        "GET /v1/responses/{id}) kept per app, least recently used dropped first.")
     default_turn_type: Literal["main", "side"] = Field(
         "main",
         description=(

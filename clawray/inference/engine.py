@@ -29,6 +29,8 @@ class SamplingParams:
     n: int = 1
     # Keep sampling past end-of-sequence tokens (benchmarks, tests); vLLM has the same flag.
     ignore_eos: bool = False
+    # The most likely alternatives (id, raw log-prob) to report at each position, 0-20.
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -39,6 +41,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
 
 
 @dataclasses.dataclass
@@ -59,6 +63,8 @@ class TokenOutput:
     # The policy version that sampled each token (one per id): a completion that spans a
     # weight swap is described exactly. None: every token is on ``policy_version``.
     token_versions: list[int] | None = None
+    # With params.top_logprobs > 0: per token, the most likely (id, raw log-prob), best first.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def versions(self) -> list[int]:
         """One policy version per token id."""
@@ -84,6 +90,8 @@ class TokenDelta:
     cached_tokens: int | None = None
     # The policy version that sampled each of ``token_ids`` (None: all on policy_version).
     token_versions: list[int] | None = None
+    # With params.top_logprobs > 0: per token id, the most likely (id, raw log-prob).
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def versions(self) -> list[int]:
         """One policy version per token id."""
@@ -155,6 +163,8 @@ async def gather_outputs(stream: AsyncIterator[TokenDelta], n: int) -> list[Toke
         out.token_ids.extend(delta.token_ids)
         out.logprobs.extend(delta.logprobs)
         out.token_versions.extend(delta.versions())  # type: ignore[union-attr]
+        if delta.top_logprobs is not None:
+            out.top_logprobs = (out.top_logprobs or []) + list(delta.top_logprobs)
         out.policy_version = delta.policy_version
         if delta.cached_tokens is not None:
             out.cached_tokens = delta.cached_tokens

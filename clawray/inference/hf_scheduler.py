@@ -340,12 +340,13 @@ class Scheduler:
         for i in range(req.n):
             gen = make_generator(params.seed, i, self.device) if params.temperature > 0 else None
             stop = StopMatcher(params.stop, self.decode) if params.stop and self.decode else None
-            sampling = RowSampling(params.temperature, params.top_p, gen)
+            sampling = RowSampling(params.temperature, params.top_p, gen, params.top_logprobs)
             req.seqs.append(Sequence(req, i, sampling, stop, req.kv))
         req.kv = None
         logits = last_logits.unsqueeze(0).expand(req.n, -1)
-        ids, lps = sample_rows(logits, [s.sampling for s in req.seqs])
-        deltas = [self._accept(seq, tok, lp) for seq, tok, lp in zip(req.seqs, ids, lps)]
+        ids, lps, tops = sample_rows(logits, [s.sampling for s in req.seqs])
+        deltas = [self._accept(seq, tok, lp, top)
+                  for seq, tok, lp, top in zip(req.seqs, ids, lps, tops)]
         self._emit(req, deltas)
         self._decoding.extend(s for s in req.seqs if not s.finished)
 
@@ -361,15 +362,16 @@ class Scheduler:
             return
         try:
             logits, kvs = self._forward_decode(batch)
-            ids, lps = sample_rows(logits, [s.sampling for s in batch])
+            ids, lps, tops = sample_rows(logits, [s.sampling for s in batch])
         except Exception as exc:
             for req in {id(s.req): s.req for s in batch}.values():
                 self._fail(req, EngineInternalError(f"decode step failed: {exc!r}"))
             return
         by_req: dict[int, tuple[Request, list[TokenDelta]]] = {}
-        for seq, kv, tok, lp in zip(batch, kvs, ids, lps):
+        for seq, kv, tok, lp, top in zip(batch, kvs, ids, lps, tops):
             seq.kv = kv
-            by_req.setdefault(id(seq.req), (seq.req, []))[1].append(self._accept(seq, tok, lp))
+            by_req.setdefault(id(seq.req), (seq.req, []))[1].append(
+                self._accept(seq, tok, lp, top))
         for req, deltas in by_req.values():
             self._emit(req, deltas)
         self._decoding.extend(s for s in batch if not s.finished)
@@ -401,11 +403,13 @@ class Scheduler:
         self._batch, self._batch_seqs = padded, batch
         return out.logits[:, -1], padded.stepped()
 
-    def _accept(self, seq: Sequence, token: int, logprob: float) -> TokenDelta:
+    def _accept(self, seq: Sequence, token: int, logprob: float,
+                top: list[tuple[int, float]] | None = None) -> TokenDelta:
         """Record a sampled token and decide whether its completion is finished."""
         req = seq.req
         delta = TokenDelta([token], [logprob], req.policy_version, index=seq.index,
-                           token_versions=[self.policy_version])
+                           token_versions=[self.policy_version],
+                           top_logprobs=[top] if top is not None else None)
         if req.done:  # failed earlier in this step; its consumer already has the error
             return delta
         seq.token_ids.append(token)

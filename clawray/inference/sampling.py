@@ -39,6 +39,7 @@ class RowSampling:
     temperature: float
     top_p: float
     generator: torch.Generator | None
+    top_logprobs: int = 0  # alternatives to report per position (OpenAI's top_logprobs)
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -56,8 +57,11 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
-def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling]) -> tuple[list[int], list[float]]:
-    """Pick one token per row of ``logits`` ([B, V]) and return it with its raw log-prob.
+def sample_rows(
+    logits: torch.Tensor, rows: Sequence[RowSampling]
+) -> tuple[list[int], list[float], list[list[tuple[int, float]] | None]]:
+    """Pick one token per row of ``logits`` ([B, V]) and return it with its raw log-prob, and,
+    for rows that ask for them, the ``top_logprobs`` most likely tokens with theirs.
 
     The log-prob is that of the unmodified model distribution (log_softmax at temperature 1,
     before top-p), which is what the learner's importance ratio compares against.
@@ -71,7 +75,14 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling]) -> tuple[list
         probs = top_p_filter(torch.softmax(logits[i] / row.temperature, dim=-1), row.top_p)
         chosen[i] = torch.multinomial(probs, 1, generator=row.generator)[0]
     picked = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
-    return chosen.tolist(), picked.tolist()
+    tops: list[list[tuple[int, float]] | None] = []
+    for i, row in enumerate(rows):
+        if row.top_logprobs > 0:
+            values, ids = torch.topk(logp[i], min(row.top_logprobs, logp.shape[-1]))
+            tops.append(list(zip(ids.tolist(), values.tolist())))
+        else:
+            tops.append(None)
+    return chosen.tolist(), picked.tolist(), tops
 
 
 class StopMatcher:

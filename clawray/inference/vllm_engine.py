@@ -182,8 +182,9 @@ def engine_args_kwargs(
 def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     """Keyword arguments of ``vllm.SamplingParams`` (the caller adds ``output_kind``).
 
-    ``logprobs=0`` returns the sampled token's log-prob at every position; text is only
-    detokenized when stop strings need it (vLLM matches them on text).
+    ``logprobs=k`` returns the sampled token's log-prob at every position, and the ``k`` most
+    likely tokens' (``params.top_logprobs``); text is only detokenized when stop strings need
+    it (vLLM matches them on text).
     """
     if params.temperature > _MAX_TEMPERATURE:
         raise EngineError(
@@ -194,7 +195,8 @@ def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     return dict(
         n=params.n, temperature=params.temperature, top_p=params.top_p,
         max_tokens=params.max_tokens, stop=list(params.stop), seed=params.seed,
-        ignore_eos=params.ignore_eos, logprobs=0, detokenize=bool(params.stop),
+        ignore_eos=params.ignore_eos, logprobs=params.top_logprobs,
+        detokenize=bool(params.stop),
     )
 
 
@@ -265,7 +267,24 @@ def response_prompt_logprobs(
     ]
 
 
-def completion_to_delta(completion: Any, *, version_start: int, version_now: int) -> TokenDelta:
+def top_logprobs_of(token_ids: Sequence[int], logprobs: Sequence[Any] | None,
+                    k: int) -> list[list[tuple[int, float]]]:
+    """The ``k`` most likely (id, log-prob) at each of the last ``len(token_ids)`` positions
+    (vLLM's position dict holds the top ``k`` plus the sampled token when it is not among them)."""
+    if not token_ids:
+        return []
+    offset = len(logprobs or []) - len(token_ids)
+    out = []
+    for i in range(len(token_ids)):
+        position = logprobs[offset + i]  # type: ignore[index]
+        ranked = sorted(((int(t), float(getattr(e, "logprob", e))) for t, e in position.items()),
+                        key=lambda te: -te[1])
+        out.append(ranked[:k])
+    return out
+
+
+def completion_to_delta(completion: Any, *, version_start: int, version_now: int,
+                        top_logprobs: int = 0) -> TokenDelta:
     """A DELTA-mode vLLM ``CompletionOutput`` (new ids only) as a TokenDelta.
 
     Every delta carries the version the request started on; the final one also carries
@@ -277,6 +296,8 @@ def completion_to_delta(completion: Any, *, version_start: int, version_now: int
     return TokenDelta(
         token_ids=token_ids,
         logprobs=sampled_logprobs(token_ids, completion.logprobs),
+        top_logprobs=(top_logprobs_of(token_ids, completion.logprobs, top_logprobs)
+                      if top_logprobs else None),
         policy_version=version_start,
         finish_reason=finish,
         stop_string=stop_string_of(completion.stop_reason) if finish else None,
@@ -484,7 +505,9 @@ class VLLMEngine:
                     cached = self._count_cached(out, len(prompt_ids))
                 for completion in out.outputs:
                     now = version if lora is not None else self._policy_version
-                    delta = completion_to_delta(completion, version_start=version, version_now=now)
+                    delta = completion_to_delta(completion, version_start=version,
+                                                version_now=now,
+                                                top_logprobs=params.top_logprobs)
                     if delta.token_ids or delta.finish_reason is not None:
                         delta.token_versions = [now] * len(delta.token_ids)
                         if delta.index not in first:

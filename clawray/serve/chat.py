@@ -1,5 +1,7 @@
-"""The chat-completions service: request → prompt ids → engine → OpenAI response or SSE stream.
+"""The turn service: a ``TurnRequest`` → prompt ids → engine → parsed result or events.
 
+Every client API's wire module (``openai_chat.py``, ``anthropic_messages.py``) goes through
+this one path, so templating, sampling, session metadata, records and errors are written once.
 No Ray and no web framework here: the Serve ingress is a thin shell around ``ChatService``, so
 the whole request path can be tested in-process and benchmarked without Serve. Heavy CPU work
 (chat template + tokenization of ~60 KB agent prompts) runs in a worker thread so the event
@@ -10,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -29,15 +30,27 @@ from clawray.inference.engine import (
 )
 from clawray.records import RecordSink, TurnRecord
 from clawray.serve.detokenize import IncrementalDetokenizer, StopCutter, first_stop
-from clawray.serve.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    normalize_messages,
-    normalize_tools,
-)
+from clawray.serve.protocol import APIError
 from clawray.serve.session_meta import SessionMeta, session_meta
+from clawray.serve.turns import (
+    ChoiceEnd,
+    ChoiceResult,
+    Opened,
+    ReasoningDelta,
+    StreamUsage,
+    TokenLogprobs,
+    TextDelta,
+    ToolCallDelta,
+    TurnEvent,
+    TurnRequest,
+    TurnResult,
+    Usage,
+)
+from clawray.models.reasoning import OPEN as THINK_OPEN
+from clawray.models.reasoning import ReasoningParser, has_think_tokens, split_reasoning
 from clawray.models.segment_cache import SegmentCache
 from clawray.models.tool_calls import (
+    TOOL_CALL_END,
     ContentDelta,
     StreamingToolCallParser,
     ToolCallEvent,
@@ -72,6 +85,10 @@ class PreparedTurn:
     parse_tools: bool
     include_usage: bool
     started_at: float = 0.0
+    logprobs: bool = False  # the client asked for log-probs
+    client_stops: tuple[str, ...] = ()  # the client's stop strings (params.stop may add ours)
+    reasoning: bool = False  # split <think>…</think> off the content
+    starts_in_reasoning: bool = False  # the prompt ended inside an open <think>
 
 
 class ChatService:
@@ -94,26 +111,36 @@ class ChatService:
         self.segments = SegmentCache(tokenizer)
         if not self.segments.enabled:
             logger.info("prompt segment cache off: %s", self.segments.reason)
+        self._token_texts: dict[int, str] = {}
+        self.reasoning = cfg.reasoning_parser == "think" or (
+            cfg.reasoning_parser == "auto" and has_think_tokens(tokenizer))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text (for log-probs), as the tokenizer decodes it alone."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     # ---------------------------------------------------------------- preparing a turn
-    async def prepare(
-        self, req: ChatCompletionRequest, headers: Mapping[str, str],
-        body_fields: Mapping[str, Any], tenant: str = "local",
-    ) -> PreparedTurn:
+    async def prepare(self, req: TurnRequest, headers: Mapping[str, str],
+                      tenant: str = "local") -> PreparedTurn:
         started_at = time.time()
         if req.model not in (None, "", self.served_model):
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
                            f"'{self.served_model}'", param="model", code="model_not_found")
         if req.n > self.cfg.max_n:
             raise APIError(400, f"n must be at most {self.cfg.max_n}", param="n")
-        if req.tool_choice not in (None, "auto", "none"):
-            raise APIError(400, "tool_choice 'required' and named tool choices are not supported "
-                           "(no constrained decoding yet); use 'auto' or 'none'", param="tool_choice")
-        max_tokens = self._max_tokens(req)
-        messages = normalize_messages(req.messages)
-        tools = normalize_tools(req.tools)
-        meta = session_meta(headers, body_fields, messages, self.cfg.default_turn_type, tenant)
-        prompt_ids = await asyncio.to_thread(self._template, messages, tools)
+        max_tokens = self._max_tokens(req.max_tokens, req.max_tokens_param)
+        messages, tools = req.messages, req.tools
+        meta = session_meta(headers, req.session_fields, messages, self.cfg.default_turn_type,
+                            tenant)
+        prompt_ids, in_think = await asyncio.to_thread(self._template, messages, tools)
+        parse_tools = bool(tools) and req.tool_choice != "none"
+        # One tool call at most: generation stops at the end of the first (its closing tag is
+        # kept in the text, unlike the client's stop strings, so the call parses).
+        stops = req.stop + ((TOOL_CALL_END,) if parse_tools and not req.parallel_tool_calls
+                            else ())
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} "
@@ -123,13 +150,14 @@ class ChatService:
             max_tokens=min(max_tokens, room),
             temperature=req.temperature,
             top_p=req.top_p,
-            stop=req.stop_list(),
+            stop=stops,
             seed=req.seed,
             n=req.n,
             ignore_eos=req.ignore_eos,
+            top_logprobs=req.top_logprobs if req.logprobs else 0,
         )
         return PreparedTurn(
-            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+            request_id=f"{req.id_prefix}{uuid.uuid4().hex}",
             created=int(time.time()),
             model=self.served_model,
             prompt_ids=prompt_ids,
@@ -137,14 +165,16 @@ class ChatService:
             meta=meta,
             messages=messages,
             tools=tools,
-            parse_tools=bool(tools) and req.tool_choice != "none",
-            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            parse_tools=parse_tools,
+            client_stops=req.stop,
+            include_usage=req.include_usage,
             started_at=started_at,
+            logprobs=req.logprobs,
+            reasoning=self.reasoning,
+            starts_in_reasoning=self.reasoning and in_think,
         )
 
-    def _max_tokens(self, req: ChatCompletionRequest) -> int:
-        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        value = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    def _max_tokens(self, value: int | None, name: str) -> int:
         if value is None:
             return self.cfg.default_max_tokens
         if value < 1:
@@ -154,7 +184,9 @@ class ChatService:
                            f"({self.cfg.max_tokens_limit})", param=name)
         return value
 
-    def _template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    def _template(self, messages: list[dict[str, Any]],
+                  tools: list[dict[str, Any]] | None) -> tuple[list[int], bool]:
+        """The prompt ids, and whether the prompt ends inside an open ``<think>``."""
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=True, tokenize=False
@@ -162,84 +194,70 @@ class ChatService:
         except Exception as e:  # a template error is a request problem (e.g. bad roles order)
             raise APIError(400, f"the messages cannot be rendered by the chat template: {e}",
                            param="messages") from None
-        return self.segments.encode(text)
+        return self.segments.encode(text), text.rstrip().endswith(THINK_OPEN)
 
-    # ---------------------------------------------------------------- non-streaming
-    async def complete(self, turn: PreparedTurn) -> dict[str, Any]:
+    # ---------------------------------------------------------------- whole answers
+    async def run(self, turn: PreparedTurn) -> TurnResult:
+        """Generate every choice of ``turn``, record each, and return them parsed."""
         outputs = await self._engine_call(self.policy.generate(
             turn.prompt_ids, turn.params, session_key=turn.meta.key))
         choices, completion_tokens = [], 0
         for out in sorted(outputs, key=lambda o: o.index):
             text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            cut = first_stop(text, turn.params.stop)
+            cut = first_stop(text, turn.client_stops)
             if cut is not None:
                 text = text[:cut]
+            reasoning = None
+            if turn.reasoning:
+                reasoning, text = split_reasoning(text, turn.starts_in_reasoning)
             content, calls = (parse_tool_calls(text) if turn.parse_tools else (text, []))
             finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = [_call_json(c) for c in calls]
-            choices.append({"index": out.index, "message": message, "finish_reason": finish,
-                            "logprobs": None})
+            call_dicts = [_call_json(c) for c in calls]
+            stop_string = out.stop_string if out.stop_string in turn.client_stops else None
+            choices.append(ChoiceResult(out.index, content, call_dicts, finish, stop_string,
+                                        list(out.token_ids), list(out.logprobs), reasoning,
+                                        out.top_logprobs))
             completion_tokens += len(out.token_ids)
             self._record(turn, out.index, out.token_ids, out.logprobs, finish, out.policy_version,
-                         out.policy_version_end, content, message.get("tool_calls", []),
-                         out.versions())
+                         out.policy_version_end, content, call_dicts, out.versions())
         version = max((o.policy_version_end or o.policy_version) for o in outputs)
-        return {
-            "id": turn.request_id,
-            "object": "chat.completion",
-            "created": turn.created,
-            "model": turn.model,
-            "system_fingerprint": f"clawray-policy-v{version}",
-            "choices": choices,
-            "usage": _usage(len(turn.prompt_ids), completion_tokens, outputs[0].cached_tokens),
-        }
+        return TurnResult(choices, Usage(len(turn.prompt_ids), completion_tokens,
+                                         outputs[0].cached_tokens), version)
 
     # ---------------------------------------------------------------- streaming
-    async def stream(self, turn: PreparedTurn) -> AsyncIterator[str]:
-        """SSE lines of a streamed completion; closing the iterator aborts generation."""
-        states = {i: _ChoiceStream(self.tokenizer, turn) for i in range(turn.params.n)}
-        version = None
+    async def events(self, turn: PreparedTurn) -> AsyncIterator[TurnEvent]:
+        """The turn as events. The first, ``Opened``, comes once the engine produced a token,
+        so a failure before it (overload, length) is still a proper HTTP error; later failures
+        raise ``APIError`` from the iterator. Closing the iterator aborts generation; what was
+        generated by then is recorded as an aborted turn."""
+        states = {i: _ChoiceStream(self.tokenizer, turn, i) for i in range(turn.params.n)}
         completion_tokens = 0
-        cached = None
-        source = self.policy.stream(turn.prompt_ids, turn.params,
-                                    session_key=turn.meta.key)
+        source = self.policy.stream(turn.prompt_ids, turn.params, session_key=turn.meta.key)
         deltas = _errors_as_api(source)
-        # Wait for the first token before the first byte, so engine errors (overload, length)
-        # still become a proper HTTP error status in the ingress.
         try:
             first = await anext(deltas, None)
-        except BaseException:
-            await _aclose(source)
-            raise
-        try:
-            for i in states:
-                yield _sse(self._chunk(turn, i, {"role": "assistant", "content": ""}, None, version))
+            cached = first.cached_tokens if first is not None else None
+            yield Opened(first.policy_version if first is not None else 0, cached)
             async for delta in _chain(first, deltas):
-                if version is None:
-                    version = delta.policy_version
-                if cached is None:
-                    cached = delta.cached_tokens
                 st = states[delta.index]
                 completion_tokens += len(delta.token_ids)
-                for piece in st.add(delta):
-                    yield _sse(self._chunk(turn, delta.index, piece, None, version))
+                if turn.logprobs and delta.token_ids:
+                    yield TokenLogprobs(delta.index, list(delta.token_ids), list(delta.logprobs),
+                                        delta.top_logprobs)
+                for ev in st.add(delta):
+                    yield ev
                 if delta.finish_reason is not None:
-                    for piece in st.finish(delta):
-                        yield _sse(self._chunk(turn, delta.index, piece, None, version))
-                    yield _sse(self._chunk(turn, delta.index, {}, st.finish_reason, version))
+                    for ev in st.finish(delta):
+                        yield ev
+                    stop_string = (delta.stop_string if delta.stop_string in turn.client_stops
+                                   else None)
+                    yield ChoiceEnd(delta.index, st.finish_reason, stop_string,
+                                    st.version_end if st.version_end is not None
+                                    else st.version_start)
                     self._record(turn, delta.index, st.ids, st.logprobs, st.finish_reason,
                                  st.version_start, st.version_end, st.content or None, st.calls,
                                  st.versions)
-            if turn.include_usage:
-                yield _sse({"id": turn.request_id, "object": "chat.completion.chunk",
-                            "created": turn.created, "model": turn.model, "choices": [],
-                            "usage": _usage(len(turn.prompt_ids), completion_tokens, cached)})
-            yield "data: [DONE]\n\n"
-        except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, end the stream
-            yield _sse(_api_error_of(e).body())
-            yield "data: [DONE]\n\n"
+            yield StreamUsage(Usage(len(turn.prompt_ids), completion_tokens, cached))
         finally:
             await _aclose(deltas)
             await _aclose(source)
@@ -248,25 +266,11 @@ class ChatService:
                     self._record(turn, i, st.ids, st.logprobs, "abort", st.version_start,
                                  st.version_end, st.content or None, st.calls, st.versions)
 
-    def _chunk(self, turn: PreparedTurn, index: int, delta: dict[str, Any], finish: str | None,
-               version: int | None) -> dict[str, Any]:
-        chunk = {
-            "id": turn.request_id,
-            "object": "chat.completion.chunk",
-            "created": turn.created,
-            "model": turn.model,
-            "system_fingerprint": f"clawray-policy-v{version if version is not None else 0}",
-            "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}],
-        }
-        if turn.include_usage:
-            chunk["usage"] = None
-        return chunk
-
     async def _engine_call(self, coro: Any) -> Any:
         try:
             return await coro
         except Exception as e:  # noqa: BLE001 - every failure reaches the client as an API error
-            raise _api_error_of(e) from None
+            raise api_error_of(e) from None
 
     # ---------------------------------------------------------------- records
     def _record(self, turn: PreparedTurn, index: int, ids: list[int], logprobs: list[float],
@@ -309,10 +313,13 @@ class ChatService:
 class _ChoiceStream:
     """Per-choice streaming state: ids, detokenizer, stop cutting, tool-call parsing."""
 
-    def __init__(self, tokenizer: Any, turn: PreparedTurn) -> None:
+    def __init__(self, tokenizer: Any, turn: PreparedTurn, index: int = 0) -> None:
+        self.index = index
         self.detok = IncrementalDetokenizer(tokenizer)
-        self.cutter = StopCutter(turn.params.stop)
+        self.cutter = StopCutter(turn.client_stops)
         self.parser = StreamingToolCallParser() if turn.parse_tools else None
+        self.thinking = ReasoningParser(turn.starts_in_reasoning) if turn.reasoning else None
+        self.reasoning = ""
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.content = ""
@@ -322,7 +329,7 @@ class _ChoiceStream:
         self.versions: list[int] = []
         self.finish_reason: str | None = None
 
-    def add(self, delta: TokenDelta) -> list[dict[str, Any]]:
+    def add(self, delta: TokenDelta) -> list[TextDelta | ReasoningDelta | ToolCallDelta]:
         if not self.ids:
             self.version_start = delta.policy_version
         self.ids += delta.token_ids
@@ -332,7 +339,7 @@ class _ChoiceStream:
             self.version_end = self.versions[-1]  # kept if the client goes away mid-stream
         return self._emit(self.cutter.feed(self.detok.add(delta.token_ids)), final=False)
 
-    def finish(self, delta: TokenDelta) -> list[dict[str, Any]]:
+    def finish(self, delta: TokenDelta) -> list[TextDelta | ReasoningDelta | ToolCallDelta]:
         if delta.policy_version_end is not None:  # only the final delta carries it
             self.version_end = delta.policy_version_end
         text = self.cutter.feed(self.detok.finish()) + self.cutter.finish()
@@ -341,22 +348,39 @@ class _ChoiceStream:
             else delta.finish_reason
         return pieces
 
-    def _emit(self, text: str, final: bool) -> list[dict[str, Any]]:
+    def _emit(self, text: str, final: bool) -> list[TextDelta | ReasoningDelta | ToolCallDelta]:
+        if self.thinking is None:
+            return self._emit_content(text, final)
+        pieces = self.thinking.feed(text) if text else []
+        if final:
+            pieces += self.thinking.finish()
+        out: list[TextDelta | ReasoningDelta | ToolCallDelta] = []
+        for kind, piece in pieces:
+            if kind == "reasoning":
+                self.reasoning += piece
+                out.append(ReasoningDelta(self.index, piece))
+            else:
+                out += self._emit_content(piece, False)
+        if final:
+            out += self._emit_content("", True)
+        return out
+
+    def _emit_content(self, text: str, final: bool) -> list[TextDelta | ToolCallDelta]:
         if self.parser is None:
             self.content += text
-            return [{"content": text}] if text else []
+            return [TextDelta(self.index, text)] if text else []
         events = self.parser.feed(text) if text else []
         if final:
             events += self.parser.finish()
-        out = []
+        out: list[TextDelta | ToolCallDelta] = []
         for ev in events:
             if isinstance(ev, ContentDelta) and ev.text:
                 self.content += ev.text
-                out.append({"content": ev.text})
+                out.append(TextDelta(self.index, ev.text))
             elif isinstance(ev, ToolCallEvent):
                 call = _call_json(ev.call)
                 self.calls.append(call)
-                out.append({"tool_calls": [{"index": ev.index, **call}]})
+                out.append(ToolCallDelta(self.index, ev.index, call))
         return out
 
 
@@ -365,18 +389,7 @@ def _call_json(call: Any) -> dict[str, Any]:
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def _usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
-    """OpenAI's usage object; ``cached_tokens``: prompt tokens the engine's prefix cache served."""
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached or 0}}
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def _api_error_of(e: BaseException) -> APIError:
+def api_error_of(e: BaseException) -> APIError:
     """The HTTP error of a failed engine call: the client's fault is 400 (a retry fails the
     same way); everything else is retryable: overload 429, an engine (or, split, a PolicyServer
     replica) that cannot serve 503, an internal failure 500 — each with OpenAI's error object,
@@ -422,7 +435,7 @@ async def _errors_as_api(source: AsyncIterator[TokenDelta]) -> AsyncIterator[Tok
         async for item in source:
             yield item
     except Exception as e:  # noqa: BLE001 - every failure reaches the client as an API error
-        raise _api_error_of(e) from None
+        raise api_error_of(e) from None
 
 
 async def _chain(first: TokenDelta | None, rest: AsyncIterator[TokenDelta]) -> AsyncIterator[TokenDelta]:

@@ -1,9 +1,10 @@
-"""The public OpenAI-compatible HTTP surface, as a Ray Serve ingress deployment.
+"""The public HTTP surface, as a Ray Serve ingress deployment.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/feedback``, ``GET /v1/models``,
-``GET /healthz``. Everything else a
-deployment can do (status, pause/resume, weights, the collecting switch) is a plain method,
-reachable only through a Ray handle from inside the cluster — never through HTTP.
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/responses`` (+ ``GET`` / ``DELETE
+/v1/responses/{id}``) (OpenAI), ``POST /v1/messages`` (Anthropic), ``POST /v1/feedback``,
+``GET /v1/models``, ``GET /healthz`` — docs/api.md. Everything else a deployment can do (status,
+pause/resume, weights, the collecting switch) is a plain method, reachable only through a Ray
+handle from inside the cluster — never through HTTP.
 """
 
 # No `from __future__ import annotations` here: Serve's ingress wrapper resolves the route
@@ -25,7 +26,9 @@ from clawray.inference.engine import SamplingParams, TokenOutput
 from clawray.models.loader import load_tokenizer, policy_model_info
 from clawray.records import GatedSink, RecordSink, TeeSink, make_sink, session_key
 from clawray.serve.auth import KeyChecker
+from clawray.serve import anthropic_messages, openai_chat, openai_responses
 from clawray.serve.chat import ChatService
+from clawray.serve.response_store import start_response_store
 from clawray.serve.policy_server import HandlePolicy, LocalPolicy, PolicyCore
 from clawray.serve.protocol import APIError, parse_feedback, parse_request
 from clawray.sessions.pipeline import HubSink, start_live_pipeline
@@ -103,6 +106,7 @@ class IngressCore:
             else:
                 sinks.append(make_sink(kind, s.records_path, s.records_system_prompt))
         self.sink = sinks[0] if len(sinks) == 1 else TeeSink(sinks)
+        self.responses_store = start_response_store(app_name, s.responses_kept)
         self.service = ChatService(load_tokenizer(info.path), policy, info.name, max_len, s,
                                    self.sink)
         self.started = int(time.time())
@@ -110,19 +114,90 @@ class IngressCore:
         self.instance_id = uuid.uuid4().hex[:16]
 
     async def chat_completions(self, request: Request) -> Response:
+        """OpenAI Chat Completions."""
+        async def turn_of(raw: bytes, tenant: str) -> tuple[Any, bool, Any, Any]:
+            req, body_fields = parse_request(raw)
+            turn = await self.service.prepare(openai_chat.to_turn_request(req, body_fields),
+                                              request.headers, tenant)
+            return (turn, req.stream, lambda: openai_chat.complete(self.service, turn),
+                    lambda: openai_chat.stream(self.service, turn))
+        return await self._serve_turn(request, turn_of, error_response, "chat completion")
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI Responses: ``previous_response_id`` continues a conversation kept here."""
+        async def turn_of(raw: bytes, tenant: str) -> tuple[Any, bool, Any, Any]:
+            req = openai_responses.parse_request(raw)
+            history, chain_session = [], None
+            if req.previous_response_id:
+                prev = await self.responses_store.history(req.previous_response_id, tenant)
+                if "error" in prev:
+                    raise APIError(400, f"previous response with id '{req.previous_response_id}'"
+                                   f" {'not found' if prev['error'] == 'not_found' else 'expired'}"
+                                   " (responses are kept per API key, the latest "
+                                   f"{self.cfg.serving_cfg.responses_kept} of this app)",
+                                   param="previous_response_id",
+                                   code="previous_response_not_found")
+                history, chain_session = prev["messages"], prev["session_id"]
+            turn = await self.service.prepare(
+                openai_responses.to_turn_request(req, history, chain_session),
+                request.headers, tenant)
+            store = self.responses_store
+            return (turn, req.stream,
+                    lambda: openai_responses.complete(self.service, turn, req, store),
+                    lambda: openai_responses.stream(self.service, turn, req, store))
+        return await self._serve_turn(request, turn_of, error_response, "response")
+
+    async def stored_response(self, request: Request, response_id: str,
+                              delete: bool = False) -> Response:
+        """``GET`` / ``DELETE /v1/responses/{id}``: only the key that created it."""
+        try:
+            tenant = self.keys.check(request.headers)
+            if delete:
+                if not await self.responses_store.delete(response_id, tenant):
+                    raise openai_responses.not_found(response_id)
+                return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+            body = await self.responses_store.get(response_id, tenant)
+            if body is None:
+                raise openai_responses.not_found(response_id)
+            return JSONResponse(body)
+        except APIError as e:
+            return error_response(e)
+        except Exception:  # noqa: BLE001 - e.g. the store actor restarting
+            return internal_error("response lookup")
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic Messages: the same turn path, Anthropic's wire format and errors."""
+        async def turn_of(raw: bytes, tenant: str) -> tuple[Any, bool, Any, Any]:
+            req = anthropic_messages.parse_request(raw)
+            turn = await self.service.prepare(anthropic_messages.to_turn_request(req),
+                                              request.headers, tenant)
+            return (turn, req.stream, lambda: anthropic_messages.complete(self.service, turn),
+                    lambda: anthropic_messages.stream(self.service, turn))
+
+        def anthropic_error(e: APIError) -> JSONResponse:
+            return JSONResponse(anthropic_messages.error_body(e), status_code=e.status,
+                                headers=e.headers)
+        return await self._serve_turn(request, turn_of, anthropic_error, "message")
+
+    async def _serve_turn(self, request: Request, turn_of: Any, render_error: Any,
+                          what: str) -> Response:
+        """Auth, body, then the API's ``turn_of``: the prepared turn, whether it streams, and
+        the API's renderers of its answer and of its stream."""
         try:
             tenant = self.keys.check(request.headers)
             raw = await read_body(request, self.cfg.serving_cfg.max_body_bytes)
-            req, body_fields = parse_request(raw)
-            turn = await self.service.prepare(req, request.headers, body_fields, tenant)
-            if not req.stream:
-                return JSONResponse(await self.service.complete(turn))
-            events = self.service.stream(turn)
+            _, stream, complete, events_of = await turn_of(raw, tenant)
+            if not stream:
+                return JSONResponse(await complete())
+            events = events_of()
             first = await anext(events)  # engine errors surface here, before any byte is sent
         except APIError as e:
-            return error_response(e)
-        except Exception:  # a bug of ours: the client still gets OpenAI's error object
-            return internal_error("chat completion")
+            return render_error(e)
+        except Exception:  # a bug of ours: the client still gets the API's error object
+            logger.exception("%s failed with an internal error", what)
+            return render_error(APIError(500, f"{what} failed with an internal error; retry "
+                                         "the request", type="server_error",
+                                         code="internal_error"))
         return StreamingResponse(_prepend(first, events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -220,6 +295,22 @@ class Ingress:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._core.chat_completions(request)
+
+    @api.post("/v1/messages")
+    async def messages(self, request: Request) -> Response:
+        return await self._core.messages(request)
+
+    @api.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        return await self._core.responses(request)
+
+    @api.get("/v1/responses/{response_id}")
+    async def get_response(self, request: Request, response_id: str) -> Response:
+        return await self._core.stored_response(request, response_id)
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete_response(self, request: Request, response_id: str) -> Response:
+        return await self._core.stored_response(request, response_id, delete=True)
 
     @api.post("/v1/feedback")
     async def feedback(self, request: Request) -> Response:

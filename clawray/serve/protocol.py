@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -21,14 +21,12 @@ MAX_ID_CHARS = 500  # session ids and user ids
 # Fields OpenAI (and vLLM) accept as null, meaning "the default".
 NULL_MEANS_DEFAULT = ("stream", "stream_options", "temperature", "top_p", "n", "stop", "seed",
                       "max_tokens", "max_completion_tokens", "tools", "tool_choice",
-                      "ignore_eos", "model")
+                      "ignore_eos", "model", "logprobs", "top_logprobs",
+                      "parallel_tool_calls")
 # Fields this server does not implement yet, and the values that ask for nothing: any other
 # value is refused with a 400 naming the field instead of being silently ignored.
 UNSUPPORTED = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "response_format": (None, {"type": "text"}),
-    "parallel_tool_calls": (None, True),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
@@ -119,6 +117,9 @@ class ChatCompletionRequest(_Open):
     seed: int | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True
+    logprobs: StrictBool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     # vLLM-compatible extras
     ignore_eos: bool = False
 
@@ -138,33 +139,50 @@ class ChatCompletionRequest(_Open):
 
 def parse_request(raw: bytes) -> tuple[ChatCompletionRequest, dict[str, Any]]:
     """Decode and validate a body; returns the request and the stripped session fields."""
+    data = json_object(raw)
+    session_fields = {k: data.pop(k) for k in SESSION_BODY_FIELDS if k in data}
+    for name in ("session_id", "user", "prompt_cache_key"):
+        check_id(session_fields.get(name), name)
+    for name in NULL_MEANS_DEFAULT:
+        if name in data and data[name] is None:
+            del data[name]
+    refuse_unsupported(data, UNSUPPORTED)
+    return validated(ChatCompletionRequest, data, ("messages",)), session_fields
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or a 400 saying what is wrong with it."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
-    session_fields = {k: data.pop(k) for k in SESSION_BODY_FIELDS if k in data}
-    for name in ("session_id", "user", "prompt_cache_key"):
-        _check_id(session_fields.get(name), name)
-    for name in NULL_MEANS_DEFAULT:
-        if name in data and data[name] is None:
-            del data[name]
-    for name, nothing in UNSUPPORTED.items():
+    return data
+
+
+def refuse_unsupported(data: dict[str, Any], unsupported: dict[str, tuple[Any, ...]]) -> None:
+    """400 naming the first field whose value asks for something not built (any value other
+    than those listed, which ask for nothing)."""
+    for name, nothing in unsupported.items():
         if name in data and not any(data[name] == v and type(data[name]) is type(v)
                                     for v in nothing):
             raise APIError(400, f"'{name}' is not supported by this server yet (send it "
                            f"{_nothing(nothing)} or leave it out)", param=name,
                            code="unsupported_parameter")
-    if "messages" not in data:
-        raise APIError(400, "'messages' is required", param="messages")
+
+
+def validated(model: type[BaseModel], data: dict[str, Any], required: tuple[str, ...]) -> Any:
+    """``model`` from ``data``; a missing required field or a bad value is a 400 naming it."""
+    for name in required:
+        if name not in data:
+            raise APIError(400, f"'{name}' is required", param=name)
     try:
-        req = ChatCompletionRequest.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
         raise APIError(400, f"invalid value for '{loc}': {err['msg']}", param=loc) from None
-    return req, session_fields
 
 
 def _nothing(values: tuple[Any, ...]) -> str:
@@ -172,7 +190,7 @@ def _nothing(values: tuple[Any, ...]) -> str:
     return " or ".join(shown)
 
 
-def _check_id(value: Any, name: str) -> None:
+def check_id(value: Any, name: str) -> None:
     if value is None:
         return
     if not isinstance(value, (str, int)) or isinstance(value, bool):
@@ -200,12 +218,15 @@ def normalize_messages(messages: list[Message]) -> list[dict[str, Any]]:
                 {
                     "id": tc.id,
                     "type": "function",
-                    "function": {"name": tc.function.name, "arguments": _args_of(tc.function.arguments)},
+                    "function": {"name": tc.function.name, "arguments": parse_arguments(tc.function.arguments)},
                 }
                 for tc in m.tool_calls
             ]
         if role == "tool":
             msg["tool_call_id"] = m.tool_call_id
+        reasoning = (m.model_extra or {}).get("reasoning_content")
+        if role == "assistant" and isinstance(reasoning, str) and reasoning:
+            msg["reasoning_content"] = reasoning  # templates that render past reasoning use it
         if m.name:
             msg["name"] = m.name
         out.append(msg)
@@ -233,7 +254,7 @@ def _text_of(content: str | list[ContentPart] | None, i: int) -> str | None:
     return "".join(texts)
 
 
-def _args_of(arguments: str | dict[str, Any]) -> str | dict[str, Any]:
+def parse_arguments(arguments: str | dict[str, Any]) -> str | dict[str, Any]:
     if isinstance(arguments, dict):
         return arguments
     try:

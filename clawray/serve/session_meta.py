@@ -3,7 +3,8 @@
 Sources, first match wins (OpenClaw-RL's protocol plus OpenClaw's session-affinity option):
 
 - session id: ``X-Session-Id`` header, ``session_id`` body field, ``session_id`` header,
-  ``x-session-affinity`` header, ``prompt_cache_key`` body field; without any, a stable key
+  ``x-session-affinity`` header, ``prompt_cache_key`` body field, the session of the
+  Responses chain that ``previous_response_id`` continues; without any, a stable key
   derived from the conversation's first system and user messages (the history is resent each
   turn, so every turn of a conversation maps to the same key, and two conversations never share
   one bucket).
@@ -67,6 +68,8 @@ def session_meta(
         ("header", headers.get("session_id")),
         ("affinity", headers.get("x-session-affinity")),
         ("prompt_cache_key", body_fields.get("prompt_cache_key")),
+        # the Responses API: the session of the chain ``previous_response_id`` continues
+        ("previous_response", body_fields.get("chain_session_id")),
     ]
     session_id, source = None, "derived"
     for src, value in candidates:

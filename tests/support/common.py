@@ -11,7 +11,9 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
-FIXTURES = TESTS / "fixtures" / "openclaw"  # real OpenClaw requests (README.md there)
+FIXTURES = TESTS / "fixtures" / "openclaw"  # real OpenClaw requests (README.md there):
+# session_*.json are Chat Completions requests; openai_responses_* and anthropic_messages_*
+# the two other API modes
 API_KEY = "sk-clawray-test"
 OTHER_KEY = "sk-clawray-other"  # a second tenant of the shared app
 

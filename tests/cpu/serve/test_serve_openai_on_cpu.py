@@ -65,6 +65,29 @@ def test_non_streaming_completion_is_recorded_token_exactly(client, served, tiny
     assert r.system_fingerprint == f"clawray-policy-v{rec.policy_version}"
 
 
+def test_logprobs_are_the_records_whole_and_streamed(client, served):
+    """logprobs / top_logprobs come from the engine's own values: the record's, exactly."""
+    messages = [{"role": "user", "content": "Count to five."}]
+    r = client.chat.completions.create(model=served.model, messages=messages, max_tokens=8,
+                                       logprobs=True, top_logprobs=2,
+                                       extra_headers={"X-Session-Id": "logprobs-1"})
+    [rec] = served.records(session_id="logprobs-1")
+    content = r.choices[0].logprobs.content
+    assert [c.logprob for c in content] == rec.response_logprobs
+    for c in content:
+        assert len(c.top_logprobs) == 2
+        assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert c.logprob <= c.top_logprobs[0].logprob + 1e-5
+    chunks = client.chat.completions.create(model=served.model, messages=messages,
+                                            max_tokens=8, logprobs=True, stream=True,
+                                            extra_headers={"X-Session-Id": "logprobs-2"})
+    streamed = [c.logprob for ch in chunks for choice in ch.choices
+                if choice.logprobs and choice.logprobs.content
+                for c in choice.logprobs.content]
+    [rec2] = served.records(session_id="logprobs-2")
+    assert streamed == rec2.response_logprobs
+
+
 def test_streaming_sends_tokens_usage_chunk_and_done(served, tiny_tokenizer):
     body = {"model": served.model, "stream": True, "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": "Tell me a story."}],

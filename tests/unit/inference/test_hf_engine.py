@@ -98,6 +98,23 @@ async def test_logprobs_equal_prompt_logprobs(tiny_qwen3):
     assert torch.allclose(torch.tensor(lps), raw, atol=1e-4)
 
 
+async def test_top_logprobs_are_the_raw_distributions_best(tiny_qwen3):
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, top_logprobs=3)
+    async with engine_of(tiny_qwen3) as engine:
+        [out] = await engine.generate(PROMPT, params)
+        streamed = [d async for d in engine.generate_stream(PROMPT, params)]
+    assert len(out.top_logprobs) == len(out.token_ids) == 6
+    with torch.no_grad():
+        logits = tiny_qwen3(torch.tensor([PROMPT + out.token_ids])).logits[0, len(PROMPT) - 1:-1]
+    values, ids = torch.log_softmax(logits, -1).topk(3)
+    for i, top in enumerate(out.top_logprobs):
+        assert [t for t, _ in top] == ids[i].tolist()
+        assert torch.allclose(torch.tensor([v for _, v in top]), values[i], atol=1e-4)
+        if out.token_ids[i] in ids[i].tolist():  # the sampled token's two values agree
+            assert abs(dict(top)[out.token_ids[i]] - out.logprobs[i]) < 1e-5
+    assert [t for d in streamed for t in d.top_logprobs or []] == out.top_logprobs
+
+
 async def test_chunked_prefill_gives_the_same_logprobs_as_one_chunk(tiny_qwen3):
     response = [5, 80, 13, 400, 2, 9, 77, 301, 64, 128, 1]
     async with engine_of(tiny_qwen3, prefill_chunk=4) as chunked:

@@ -217,6 +217,15 @@ def test_stream_deltas_carry_new_ids_and_the_final_reason():
     assert last.policy_version_end is None
 
 
+def test_top_logprobs_are_the_best_k_without_the_sampled_token_when_it_is_not():
+    position = {4: Logprob(-3.0), 1: Logprob(-0.2), 2: Logprob(-0.9)}  # top-2 plus sampled 4
+    delta = completion_to_delta(completion([4], [position]), version_start=0, version_now=0,
+                                top_logprobs=2)
+    assert delta.logprobs == [-3.0] and delta.top_logprobs == [[(1, -0.2), (2, -0.9)]]
+    plain = completion_to_delta(completion([4], [position]), version_start=0, version_now=0)
+    assert plain.top_logprobs is None
+
+
 def test_stream_reports_a_weight_swap_on_the_final_delta_only():
     mid = completion_to_delta(completion([4], [{4: Logprob(-0.3)}]), version_start=3,
                               version_now=4)

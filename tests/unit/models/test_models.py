@@ -25,7 +25,7 @@ from clawray.models.tiny import ADDED_TOKENS, TinyModelSpec, build_embedded_defa
 from clawray.models.tool_calls import parse_tool_calls
 from tests.support.common import FIXTURES, load_fixture
 
-FIXTURE_NAMES = sorted(p.name for p in FIXTURES.glob("*.json"))
+FIXTURE_NAMES = sorted(p.name for p in FIXTURES.glob("session_*.json"))
 # A spec small enough to build in a few seconds: for determinism and caching tests.
 SMALL = TinyModelSpec(seed=3, vocab_size=1024, corpus_docs=300, imprint_steps=3,
                       imprint_examples=24, imprint_batch_size=4)

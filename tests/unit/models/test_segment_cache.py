@@ -23,7 +23,7 @@ def rendered(tokenizer, body) -> str:
 
 @pytest.fixture(scope="module")
 def fixture_texts(tiny_tokenizer):
-    names = sorted(FIXTURES.glob("*.json"))
+    names = sorted(FIXTURES.glob("session_*.json"))
     assert len(names) >= 6
     return [rendered(tiny_tokenizer, json.loads(p.read_text())["body"]) for p in names]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from clawray.config import ServingConfig
 from clawray.inference.engine import TokenDelta, TokenOutput
 from clawray.serve.chat import ChatService
+from clawray.serve.openai_chat import complete, stream, to_turn_request
 from clawray.serve.protocol import ChatCompletionRequest
 from tests.support.common import ListSink
 
@@ -37,12 +38,12 @@ def service(tokenizer):
 async def prepared(svc, stream: bool):
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                 max_tokens=4, stream=stream)
-    return await svc.prepare(req, {"x-session-id": "swap-1"}, {})
+    return await svc.prepare(to_turn_request(req, {}), {"x-session-id": "swap-1"})
 
 
 async def test_a_json_completion_records_every_tokens_version(tiny_tokenizer):
     svc, sink = service(tiny_tokenizer)
-    body = await svc.complete(await prepared(svc, stream=False))
+    body = await complete(svc, await prepared(svc, stream=False))
     [rec] = sink.records
     assert (rec.policy_version, rec.policy_version_end) == (3, 4)
     assert rec.response_ids == IDS and rec.response_versions == VERSIONS
@@ -51,8 +52,55 @@ async def test_a_json_completion_records_every_tokens_version(tiny_tokenizer):
 
 async def test_a_streamed_completion_keeps_its_end_version(tiny_tokenizer):
     svc, sink = service(tiny_tokenizer)
-    lines = [line async for line in svc.stream(await prepared(svc, stream=True))]
+    lines = [line async for line in stream(svc, await prepared(svc, stream=True))]
     assert lines[-1] == "data: [DONE]\n\n"
     [rec] = sink.records
     assert (rec.policy_version, rec.policy_version_end) == (3, 4)
     assert rec.response_ids == IDS and rec.response_versions == VERSIONS
+
+
+class LogprobPolicy:
+    """Four tokens, each with its log-prob and two alternatives."""
+
+    TOP = [[(40, -0.5), (7, -1.5)], [(41, -0.4), (8, -2.0)], [(9, -0.1), (42, -2.5)],
+           [(43, -0.3), (10, -1.9)]]
+
+    async def generate(self, prompt_ids, params, session_key=None):
+        assert params.top_logprobs == 2
+        return [TokenOutput(list(IDS), [-0.5, -0.4, -2.5, -0.3], "length", 3,
+                            top_logprobs=self.TOP)]
+
+    async def stream(self, prompt_ids, params, session_key=None):
+        lps = [-0.5, -0.4, -2.5, -0.3]
+        for i, tok in enumerate(IDS):
+            last = i == len(IDS) - 1
+            yield TokenDelta([tok], [lps[i]], 3, "length" if last else None,
+                             top_logprobs=[self.TOP[i]])
+
+    async def status(self):
+        raise NotImplementedError
+
+
+async def test_logprobs_are_the_records_exactly_whole_and_streamed(tiny_tokenizer):
+    import json
+
+    sink = ListSink()
+    svc = ChatService(tiny_tokenizer, LogprobPolicy(), "m", 4096, ServingConfig(), sink)
+    for stream_it in (False, True):
+        req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                    max_tokens=4, stream=stream_it, logprobs=True,
+                                    top_logprobs=2)
+        turn = await svc.prepare(to_turn_request(req, {}), {"x-session-id": "lp"})
+        if stream_it:
+            lines = [x async for x in stream(svc, turn)]
+            content = [e for x in lines[:-1]
+                       for e in (json.loads(x[6:])["choices"][0]["logprobs"] or {})
+                       .get("content", [])]
+        else:
+            content = (await complete(svc, turn))["choices"][0]["logprobs"]["content"]
+        rec = sink.records[-1]
+        assert [e["logprob"] for e in content] == rec.response_logprobs
+        assert [e["token"] for e in content] == [tiny_tokenizer.decode([t]) for t in IDS]
+        assert [[a["logprob"] for a in e["top_logprobs"]] for e in content] == \
+            [[v for _, v in top] for top in LogprobPolicy.TOP]
+        assert all(e["bytes"] == list(e["token"].encode()) for e in content)

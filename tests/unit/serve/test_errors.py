@@ -17,7 +17,8 @@ from clawray.inference.engine import (
     EngineUnavailable,
     TokenDelta,
 )
-from clawray.serve.chat import ChatService, _api_error_of
+from clawray.serve.chat import ChatService
+from clawray.serve.openai_chat import complete, stream, to_turn_request, api_error_of
 from clawray.serve.protocol import APIError, ChatCompletionRequest, parse_request
 from tests.support.common import ListSink
 
@@ -30,7 +31,7 @@ from tests.support.common import ListSink
     (KeyError("a bug"), 500, "server_error", "internal_error", None),
 ])
 def test_engine_failures_map_to_retryable_or_client_errors(exc, status, kind, code, retry_after):
-    e = _api_error_of(exc)
+    e = api_error_of(exc)
     assert (e.status, e.type, e.code, e.headers.get("Retry-After")) == (
         status, kind, code, retry_after)
     assert set(e.body()["error"]) == {"message", "type", "param", "code"}
@@ -43,9 +44,9 @@ def test_an_engine_error_raised_in_a_policy_replica_keeps_its_meaning():
     for cause, status in ((EngineOverloaded("queue full"), 429),
                           (EngineInternalError("step failed"), 500), (EngineError("long"), 400)):
         wrapped = RayTaskError("generate", "Traceback ...", cause).as_instanceof_cause()
-        e = _api_error_of(wrapped)
+        e = api_error_of(wrapped)
         assert e.status == status and "Traceback" not in e.message, e.message
-    assert _api_error_of(ActorDiedError()).status == 503
+    assert api_error_of(ActorDiedError()).status == 503
 
 
 class FailingPolicy:
@@ -75,20 +76,20 @@ async def test_a_failure_mid_stream_ends_with_an_error_event_and_done(tiny_token
     svc = ChatService(tiny_tokenizer, FailingPolicy(exc), "m", 4096, ServingConfig(), sink)
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                 max_tokens=8, stream=True)
-    turn = await svc.prepare(req, {"x-session-id": "s"}, {})
-    lines = [line async for line in svc.stream(turn)]
+    turn = await svc.prepare(to_turn_request(req, {}), {"x-session-id": "s"})
+    lines = [line async for line in stream(svc, turn)]
     assert lines[-1] == "data: [DONE]\n\n"
     error = json.loads(lines[-2][len("data: "):])["error"]
     assert error["type"] == "server_error" and error["code"] in ("engine_error",
                                                                  "internal_error",
                                                                  "engine_unavailable")
-    assert status == _api_error_of(exc).status
+    assert status == api_error_of(exc).status
     # the two tokens served before the failure are kept as an aborted turn
     [rec] = sink.records
     assert rec.response_ids == [40, 41] and rec.finish_reason == "abort"
     # the same failure before any token: a proper HTTP error, nothing recorded
     with pytest.raises(APIError) as e:
-        await svc.complete(turn)
+        await complete(svc, turn)
     assert e.value.status == status
 
 
@@ -105,9 +106,9 @@ def test_null_means_the_default_where_openai_accepts_it():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("logprobs", True), ("top_logprobs", 3), ("response_format", {"type": "json_object"}),
-    ("parallel_tool_calls", False), ("presence_penalty", 0.5), ("frequency_penalty", -1),
-    ("logit_bias", {"50256": -100}), ("repetition_penalty", 1.2), ("logprobs", 1)])
+    ("response_format", {"type": "json_object"}), ("presence_penalty", 0.5),
+    ("frequency_penalty", -1),
+    ("logit_bias", {"50256": -100}), ("repetition_penalty", 1.2)])
 def test_unsupported_fields_are_refused_by_name(field, value):
     with pytest.raises(APIError) as e:
         _parse({field: value})
@@ -121,3 +122,11 @@ def test_unsupported_fields_are_refused_by_name(field, value):
     ("logit_bias", {}), ("top_logprobs", 0), ("user", "u1")])
 def test_the_values_that_ask_for_nothing_are_accepted(field, value):
     _parse({field: value})
+
+
+@pytest.mark.parametrize("body, param", [({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+                                         ({"logprobs": "yes"}, "logprobs")])
+def test_bad_logprobs_settings_are_refused(body, param):
+    with pytest.raises(APIError) as e:
+        _parse(body)
+    assert (e.value.status, e.value.param) == (400, param)

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import shutil
@@ -282,6 +281,12 @@ def measure_runners(cfg: Any, n: int, args: argparse.Namespace) -> dict[str, Any
         t0 = time.perf_counter()
         time.sleep(args.window_s)
         after = group.stats()
+        # A window spans at least one whole group (a loaded machine can be slower than that):
+        # it is extended, up to 60 s, until one finished.
+        while after["groups"] == before["groups"] and time.perf_counter() - t0 < \
+                args.window_s + 60:
+            time.sleep(0.5)
+            after = group.stats()
         window = time.perf_counter() - t0
         usage = cpu.end()
         changed = group.poll()

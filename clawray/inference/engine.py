@@ -31,6 +31,12 @@ class SamplingParams:
     ignore_eos: bool = False
     # The most likely alternatives (id, raw log-prob) to report at each position, 0-20.
     top_logprobs: int = 0
+    # OpenAI's penalties (-2..2), vLLM's repetition penalty (> 0, 1 = off), and additive
+    # biases for named token ids (-100..100), applied before sampling.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -43,6 +49,13 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(not -100 <= b <= 100 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
 
 
 @dataclasses.dataclass

@@ -340,8 +340,12 @@ class Scheduler:
         for i in range(req.n):
             gen = make_generator(params.seed, i, self.device) if params.temperature > 0 else None
             stop = StopMatcher(params.stop, self.decode) if params.stop and self.decode else None
-            sampling = RowSampling(params.temperature, params.top_p, gen, params.top_logprobs)
-            req.seqs.append(Sequence(req, i, sampling, stop, req.kv))
+            generated: list[int] = []
+            sampling = RowSampling(
+                params.temperature, params.top_p, gen, params.top_logprobs,
+                params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+                params.logit_bias, generated, req.ids)
+            req.seqs.append(Sequence(req, i, sampling, stop, req.kv, token_ids=generated))
         req.kv = None
         logits = last_logits.unsqueeze(0).expand(req.n, -1)
         ids, lps, tops = sample_rows(logits, [s.sampling for s in req.seqs])

@@ -40,6 +40,47 @@ class RowSampling:
     top_p: float
     generator: torch.Generator | None
     top_logprobs: int = 0  # alternatives to report per position (OpenAI's top_logprobs)
+    # Penalties (OpenAI's and vLLM's meanings) and logit_bias, applied to the logits before
+    # sampling; ``generated`` / ``prompt`` are the sequence's live id lists they read.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    generated: list[int] | None = None
+    prompt: list[int] | None = None
+
+    @property
+    def adjusts(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0)
+
+    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
+        """This row's logits (1-D) with its penalties and biases applied (a new tensor).
+
+        In vLLM's order: logit_bias adds to the named ids; repetition (vLLM, CTRL): a positive
+        logit of an id seen in the prompt or the output is divided by it, a negative one
+        multiplied; frequency/presence (OpenAI): ``l[t] -= count(t) * frequency +
+        (count(t) > 0) * presence`` over the generated ids.
+        """
+        out = logits.clone()
+        generated = self.generated or []
+        if self.logit_bias:
+            ids = torch.tensor([t for t, _ in self.logit_bias], device=out.device)
+            out[ids] += torch.tensor([b for _, b in self.logit_bias], dtype=out.dtype,
+                                     device=out.device)
+        if self.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(self.prompt or []) | set(generated)),
+                                dtype=torch.long, device=out.device)
+            if seen.numel():
+                vals = out[seen]
+                out[seen] = torch.where(vals > 0, vals / self.repetition_penalty,
+                                        vals * self.repetition_penalty)
+        if (self.presence_penalty or self.frequency_penalty) and generated:
+            counts = torch.bincount(torch.tensor(generated, device=out.device),
+                                    minlength=out.shape[-1])[: out.shape[-1]].to(out.dtype)
+            out -= counts * self.frequency_penalty + (counts > 0).to(out.dtype) * \
+                self.presence_penalty
+        return out
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -64,15 +105,19 @@ def sample_rows(
     for rows that ask for them, the ``top_logprobs`` most likely tokens with theirs.
 
     The log-prob is that of the unmodified model distribution (log_softmax at temperature 1,
-    before top-p), which is what the learner's importance ratio compares against.
+    before penalties, biases and top-p), which is what the learner's importance ratio compares
+    against; the settings that shaped the sampling travel with the record.
     """
     logits = logits.float()
     logp = torch.log_softmax(logits, dim=-1)
     chosen = torch.argmax(logits, dim=-1)
     for i, row in enumerate(rows):
+        row_logits = row.adjust(logits[i]) if row.adjusts else logits[i]
         if row.temperature == 0:
+            if row.adjusts:
+                chosen[i] = torch.argmax(row_logits)
             continue
-        probs = top_p_filter(torch.softmax(logits[i] / row.temperature, dim=-1), row.top_p)
+        probs = top_p_filter(torch.softmax(row_logits / row.temperature, dim=-1), row.top_p)
         chosen[i] = torch.multinomial(probs, 1, generator=row.generator)[0]
     picked = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
     tops: list[list[tuple[int, float]] | None] = []

@@ -196,7 +196,10 @@ def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
         n=params.n, temperature=params.temperature, top_p=params.top_p,
         max_tokens=params.max_tokens, stop=list(params.stop), seed=params.seed,
         ignore_eos=params.ignore_eos, logprobs=params.top_logprobs,
-        detokenize=bool(params.stop),
+        detokenize=bool(params.stop), presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=dict(params.logit_bias) or None,
     )
 
 

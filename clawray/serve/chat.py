@@ -146,6 +146,11 @@ class ChatService:
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} "
                            f"tokens, but the messages use {len(prompt_ids)} tokens",
                            param="messages", code="context_length_exceeded")
+        vocab = len(self.tokenizer)
+        bad = [t for t in req.logit_bias if t >= vocab]
+        if bad:
+            raise APIError(400, f"logit_bias names token ids outside the vocabulary (size "
+                           f"{vocab}): {bad[:5]}", param="logit_bias")
         params = SamplingParams(
             max_tokens=min(max_tokens, room),
             temperature=req.temperature,
@@ -155,6 +160,10 @@ class ChatService:
             n=req.n,
             ignore_eos=req.ignore_eos,
             top_logprobs=req.top_logprobs if req.logprobs else 0,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=tuple(sorted(req.logit_bias.items())),
         )
         return PreparedTurn(
             request_id=f"{req.id_prefix}{uuid.uuid4().hex}",

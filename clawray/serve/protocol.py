@@ -22,15 +22,12 @@ MAX_ID_CHARS = 500  # session ids and user ids
 NULL_MEANS_DEFAULT = ("stream", "stream_options", "temperature", "top_p", "n", "stop", "seed",
                       "max_tokens", "max_completion_tokens", "tools", "tool_choice",
                       "ignore_eos", "model", "logprobs", "top_logprobs",
-                      "parallel_tool_calls")
+                      "parallel_tool_calls", "presence_penalty", "frequency_penalty",
+                      "repetition_penalty", "logit_bias")
 # Fields this server does not implement yet, and the values that ask for nothing: any other
 # value is refused with a 400 naming the field instead of being silently ignored.
 UNSUPPORTED = {
     "response_format": (None, {"type": "text"}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -118,6 +115,10 @@ class ChatCompletionRequest(_Open):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool = True
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)  # vLLM extra
+    logit_bias: dict[str, float] | None = None
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # vLLM-compatible extras
@@ -129,6 +130,18 @@ class ChatCompletionRequest(_Open):
         items = [v] if isinstance(v, str) else (v or [])
         if len(items) > 8 or any(not s for s in items):
             raise ValueError("stop must be up to 8 non-empty strings")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for {key}")
+        if v and len(v) > 300:
+            raise ValueError("at most 300 token biases")
         return v
 
     def stop_list(self) -> tuple[str, ...]:

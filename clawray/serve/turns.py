@@ -33,6 +33,10 @@ class TurnRequest:
     ignore_eos: bool = False
     tool_choice: str = "auto"  # "auto" | "none"
     parallel_tool_calls: bool = True  # False: generation ends with the first tool call
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
     logprobs: bool = False  # report each sampled token's log-prob
     top_logprobs: int = 0  # and this many most likely alternatives
     stream: bool = False

@@ -45,7 +45,7 @@ def _config(base: str, api_key: str, model: str, api: str) -> dict:
                 "models": [{"id": model, "name": "clawray", "reasoning": False,
                             "input": ["text"],
                             "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
-                            "contextWindow": 32000, "maxTokens": 16}]}}}}
+                            "contextWindow": 32000, "maxTokens": 48}]}}}}
 
 
 @pytest.mark.parametrize("api", MODES)
@@ -71,9 +71,15 @@ def test_the_openclaw_agent_is_served_and_recorded_in_each_api_mode(api, opencla
                 cmd = loopback_ns.isolated(cmd, bridge, app_port)
             run = subprocess.run(cmd, env=env, cwd=home, stdin=subprocess.DEVNULL,
                                  capture_output=True, text=True, timeout=300)
-            assert run.returncode == 0, run.stderr[-3000:]
-            out = json.loads(run.stdout[run.stdout.index("{"):])
-            assert "payloads" in out, run.stdout[-2000:]
+            if run.returncode == 0:
+                out = json.loads(run.stdout[run.stdout.index("{"):])
+                assert "payloads" in out, run.stdout[-2000:]
+            else:
+                # The tiny model's reply can run into maxTokens; OpenClaw then reports an
+                # "incomplete turn" (stopReason=length) and exits 1. That is the model's
+                # answer, served and recorded; any other failure is ours.
+                assert "incomplete turn detected" in run.stderr and "stopReason=length" in \
+                    run.stderr, run.stderr[-3000:]
     finally:
         if bridge is not None:
             bridge.close()
@@ -92,3 +98,4 @@ def test_the_openclaw_agent_is_served_and_recorded_in_each_api_mode(api, opencla
     if first_reply:
         assert any(m["role"] == "assistant" for m in second.messages)
     assert all(r.response_ids for r in recs)
+    assert {r.finish_reason for r in recs} <= {"stop", "length", "tool_calls"}

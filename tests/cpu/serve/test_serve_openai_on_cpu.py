@@ -88,6 +88,23 @@ def test_logprobs_are_the_records_whole_and_streamed(client, served):
     assert streamed == rec2.response_logprobs
 
 
+def test_logit_bias_and_penalties_reach_the_engine(client, served, tiny_tokenizer):
+    forced = tiny_tokenizer.encode("hello", add_special_tokens=False)[0]
+    client.chat.completions.create(
+        model=served.model, messages=[{"role": "user", "content": "Say anything."}],
+        max_tokens=5, temperature=0, logit_bias={str(forced): 100}, frequency_penalty=0.5,
+        presence_penalty=0.5, extra_headers={"X-Session-Id": "bias-1"})
+    [rec] = served.records(session_id="bias-1")
+    assert rec.response_ids == [forced] * 5  # +100 outweighs every penalty here
+    assert rec.sampling["logit_bias"] == [[forced, 100.0]]  # the record keeps the settings
+    assert rec.sampling["frequency_penalty"] == 0.5
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=served.model, max_tokens=2,
+                                       messages=[{"role": "user", "content": "x"}],
+                                       logit_bias={"99999999": 5})
+    assert e.value.body["param"] == "logit_bias"
+
+
 def test_streaming_sends_tokens_usage_chunk_and_done(served, tiny_tokenizer):
     body = {"model": served.model, "stream": True, "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": "Tell me a story."}],

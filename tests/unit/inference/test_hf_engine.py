@@ -115,6 +115,34 @@ async def test_top_logprobs_are_the_raw_distributions_best(tiny_qwen3):
     assert [t for d in streamed for t in d.top_logprobs or []] == out.top_logprobs
 
 
+async def test_penalties_and_logit_bias_shape_greedy_choices_exactly(tiny_qwen3):
+    """Each greedy choice is the argmax of the penalized, biased logits (computed here from a
+    plain forward pass); log-probs stay those of the raw model."""
+    params = SamplingParams(max_tokens=10, temperature=0, presence_penalty=0.7,
+                            frequency_penalty=1.3, repetition_penalty=1.5,
+                            logit_bias=((5, 3.0), (17, -100.0)))
+    async with engine_of(tiny_qwen3) as engine:
+        [out] = await engine.generate(PROMPT, params)
+        [plain] = await engine.generate(PROMPT, SamplingParams(max_tokens=10, temperature=0))
+    assert out.token_ids != plain.token_ids and 17 not in out.token_ids
+    with torch.no_grad():
+        logits = tiny_qwen3(torch.tensor([PROMPT + out.token_ids])).logits[0].float()
+    for i, tok in enumerate(out.token_ids):
+        row = logits[len(PROMPT) - 1 + i].clone()
+        row[5] += 3.0
+        row[17] -= 100.0
+        seen = torch.tensor(sorted(set(PROMPT) | set(out.token_ids[:i])))
+        row[seen] = torch.where(row[seen] > 0, row[seen] / 1.5, row[seen] * 1.5)
+        counts = torch.bincount(torch.tensor(out.token_ids[:i] or [0]), minlength=row.shape[0])
+        if not i:
+            counts.zero_()
+        row -= counts * 1.3 + (counts > 0).float() * 0.7
+        assert int(row.argmax()) == tok, i
+    raw = torch.log_softmax(logits[len(PROMPT) - 1:-1], -1)
+    raw = raw.gather(-1, torch.tensor(out.token_ids).unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(torch.tensor(out.logprobs), raw, atol=1e-4)
+
+
 async def test_chunked_prefill_gives_the_same_logprobs_as_one_chunk(tiny_qwen3):
     response = [5, 80, 13, 400, 2, 9, 77, 301, 64, 128, 1]
     async with engine_of(tiny_qwen3, prefill_chunk=4) as chunked:

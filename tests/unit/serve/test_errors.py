@@ -106,9 +106,8 @@ def test_null_means_the_default_where_openai_accepts_it():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}), ("presence_penalty", 0.5),
-    ("frequency_penalty", -1),
-    ("logit_bias", {"50256": -100}), ("repetition_penalty", 1.2)])
+    ("response_format", {"type": "json_object"}), ("audio", {"voice": "x"}),
+    ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"})])
 def test_unsupported_fields_are_refused_by_name(field, value):
     with pytest.raises(APIError) as e:
         _parse({field: value})
@@ -125,7 +124,12 @@ def test_the_values_that_ask_for_nothing_are_accepted(field, value):
 
 
 @pytest.mark.parametrize("body, param", [({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
-                                         ({"logprobs": "yes"}, "logprobs")])
+                                         ({"logprobs": "yes"}, "logprobs"),
+                                         ({"presence_penalty": 2.5}, "presence_penalty"),
+                                         ({"frequency_penalty": -3}, "frequency_penalty"),
+                                         ({"repetition_penalty": 0}, "repetition_penalty"),
+                                         ({"logit_bias": {"abc": 1}}, "logit_bias"),
+                                         ({"logit_bias": {"5": 101}}, "logit_bias")])
 def test_bad_logprobs_settings_are_refused(body, param):
     with pytest.raises(APIError) as e:
         _parse(body)

@@ -134,11 +134,16 @@ def test_vllm_takes_the_nccl_engine_args_as_its_weight_transfer_config():
 
 def test_sampling_kwargs_carry_every_setting_and_ask_for_sampled_logprobs():
     params = SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, stop=("</s>",), seed=3,
-                            n=2, ignore_eos=True)
+                            n=2, ignore_eos=True, top_logprobs=3, presence_penalty=0.5,
+                            frequency_penalty=-0.5, repetition_penalty=1.2,
+                            logit_bias=((7, 2.0),))
     assert sampling_kwargs(params) == {
         "n": 2, "temperature": 0.7, "top_p": 0.9, "max_tokens": 64, "stop": ["</s>"],
-        "seed": 3, "ignore_eos": True, "logprobs": 0, "detokenize": True,
+        "seed": 3, "ignore_eos": True, "logprobs": 3, "detokenize": True,
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
+        "logit_bias": {7: 2.0},
     }
+    assert sampling_kwargs(SamplingParams())["logit_bias"] is None
     # Without stop strings vLLM need not detokenize at all.
     assert sampling_kwargs(SamplingParams())["detokenize"] is False
 

@@ -7,6 +7,7 @@ log-probs, per-request seeded generators) can be read and tested without a model
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from typing import Callable, Sequence
 
@@ -49,6 +50,11 @@ class RowSampling:
     generated: list[int] | None = None
     prompt: list[int] | None = None
 
+    @functools.cached_property
+    def _prompt_set(self) -> torch.Tensor:
+        """The prompt's distinct ids, once per sequence (agent prompts run to ~18k ids)."""
+        return torch.tensor(sorted(set(self.prompt or [])), dtype=torch.long)
+
     @property
     def adjusts(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
@@ -69,8 +75,9 @@ class RowSampling:
             out[ids] += torch.tensor([b for _, b in self.logit_bias], dtype=out.dtype,
                                      device=out.device)
         if self.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(self.prompt or []) | set(generated)),
-                                dtype=torch.long, device=out.device)
+            seen = self._prompt_set.to(out.device)
+            if generated:
+                seen = torch.cat([seen, torch.tensor(generated, device=out.device)])
             if seen.numel():
                 vals = out[seen]
                 out[seen] = torch.where(vals > 0, vals / self.repetition_penalty,

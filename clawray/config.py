@@ -135,6 +135,10 @@ class ServingConfig(_Section):
         "auto", description="Split a reply's <think>…</think> into reasoning_content (Chat "
         "Completions), a reasoning item (Responses), a thinking block (Messages). 'auto': when "
         "the tokenizer has <think> and </think> tokens; 'none': leave it in the content.")
+    json_whitespace: int | None = Field(
+        2, ge=1, description="Constrained JSON (response_format, tool-call arguments): the "
+        "longest run of whitespace allowed between tokens (1 allows ', ' and ': '; None: any). "
+        "Small models otherwise spend their budget on blank lines.")
     responses_kept: int = Field(
         10_000, ge=1, description="Responses API: stored responses (previous_response_id, "
         "GET /v1/responses/{id}) kept per app, least recently used dropped first.")

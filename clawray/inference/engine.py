@@ -37,6 +37,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Constrained decoding: an xgrammar structural tag (JSON text, ``{"type": "structural_tag",
+    # "format": ...}``) the completion must match; every token outside it is masked before
+    # sampling. vLLM takes it as ``structured_outputs.structural_tag``; the transformers engine
+    # compiles it with xgrammar. Built by clawray.serve.structured (JSON answers, tool calls).
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

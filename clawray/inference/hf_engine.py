@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import numbers
 import os
 from typing import Any, AsyncIterator, Callable, Iterable
@@ -151,6 +152,8 @@ class HFEngine:
                 return tokenizer.decode(ids, skip_special_tokens=True)
 
         self._decode = decode
+        self._tokenizer = tokenizer
+        self._grammars: Any = None  # grammar.Grammars, built on the first constrained request
         if eos_token_ids is not None:
             eos = frozenset(eos_token_ids)
         else:
@@ -229,7 +232,11 @@ class HFEngine:
         if params.stop and self._decode is None:
             raise EngineError("stop strings need an engine built with a tokenizer or decode=")
         max_new = min(params.max_tokens, self.max_model_len - len(prompt_ids))
-        req, queue = self._request(prompt_ids, params=params, max_new=max_new, n=params.n)
+        grammar = None
+        if params.structural_tag is not None:
+            grammar = await asyncio.to_thread(self._grammar_factory, params.structural_tag)
+        req, queue = self._request(prompt_ids, params=params, max_new=max_new, n=params.n,
+                                   grammar=grammar)
         self._scheduler.submit(req)
         remaining = params.n
         try:
@@ -244,6 +251,17 @@ class HFEngine:
         finally:
             if remaining:
                 self._scheduler.abort(req)
+
+    def _grammar_factory(self, structural_tag: str) -> Callable[[], Any]:
+        """Compile ``structural_tag`` (any thread) and return a maker of per-completion matchers."""
+        if self._tokenizer is None:
+            raise EngineError("constrained decoding needs an engine built with a tokenizer")
+        if self._grammars is None:
+            from clawray.inference.grammar import Grammars
+
+            self._grammars = Grammars(self._tokenizer, self.vocab_size, self.eos_token_ids)
+        compiled = self._grammars.compile(structural_tag)
+        return functools.partial(self._grammars.row, compiled)
 
     async def prompt_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         """Raw log-prob of each response id given the prompt and the response ids before it.

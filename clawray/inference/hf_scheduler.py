@@ -80,6 +80,8 @@ class Request:
     kv: KV | None = None
     seqs: list[Sequence] = dataclasses.field(default_factory=list)
     scores: list[float] = dataclasses.field(default_factory=list)
+    # Constrained decoding: makes one grammar.RowGrammar per completion (None: free sampling).
+    grammar: Callable[[], object] | None = None
 
 
 class Scheduler:
@@ -344,7 +346,8 @@ class Scheduler:
             sampling = RowSampling(
                 params.temperature, params.top_p, gen, params.top_logprobs,
                 params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
-                params.logit_bias, generated, req.ids)
+                params.logit_bias, generated, req.ids,
+                req.grammar() if req.grammar is not None else None)
             req.seqs.append(Sequence(req, i, sampling, stop, req.kv, token_ids=generated))
         req.kv = None
         logits = last_logits.unsqueeze(0).expand(req.n, -1)
@@ -419,6 +422,11 @@ class Scheduler:
         seq.token_ids.append(token)
         seq.logprobs.append(logprob)
         self.tokens_generated += 1
+        grammar = seq.sampling.grammar
+        if grammar is not None and not grammar.accept(token):
+            self._fail(req, EngineInternalError(f"token {token} was sampled but the output "
+                                                "grammar refuses it"))
+            return delta
         stop_string = None
         if seq.stop is not None and token not in self.eos_ids:
             try:
@@ -427,7 +435,7 @@ class Scheduler:
                 self._fail(req, EngineInternalError(f"stop-string check failed: {exc!r}"))
                 return delta
         is_eos = token in self.eos_ids and not (req.params is not None and req.params.ignore_eos)
-        if is_eos or stop_string is not None:
+        if is_eos or stop_string is not None or (grammar is not None and grammar.terminated):
             finish = "stop"
         elif len(seq.token_ids) >= req.max_new:
             finish = "length"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -49,6 +49,8 @@ class RowSampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
     generated: list[int] | None = None
     prompt: list[int] | None = None
+    # Constrained decoding (grammar.RowGrammar): tokens the grammar refuses are masked out.
+    grammar: Any = None
 
     @functools.cached_property
     def _prompt_set(self) -> torch.Tensor:
@@ -112,7 +114,7 @@ def sample_rows(
     for rows that ask for them, the ``top_logprobs`` most likely tokens with theirs.
 
     The log-prob is that of the unmodified model distribution (log_softmax at temperature 1,
-    before penalties, biases and top-p), which is what the learner's importance ratio compares
+    before penalties, biases, grammar masks and top-p), which is what the learner's importance ratio compares
     against; the settings that shaped the sampling travel with the record.
     """
     logits = logits.float()
@@ -120,8 +122,10 @@ def sample_rows(
     chosen = torch.argmax(logits, dim=-1)
     for i, row in enumerate(rows):
         row_logits = row.adjust(logits[i]) if row.adjusts else logits[i]
+        if row.grammar is not None:
+            row_logits = row.grammar.mask(row_logits)
         if row.temperature == 0:
-            if row.adjusts:
+            if row.adjusts or row.grammar is not None:
                 chosen[i] = torch.argmax(row_logits)
             continue
         probs = top_p_filter(torch.softmax(row_logits / row.temperature, dim=-1), row.top_p)

@@ -45,6 +45,7 @@ from clawray.inference.engine import (
     gather_outputs,
     check_prompt_fits,
 )
+from clawray.inference.grammar import check_structural_tag
 
 logger = logging.getLogger(__name__)
 
@@ -417,12 +418,13 @@ class VLLMEngine:
         self._distribution, self._vllm_version = check_vllm_available()
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         if self._vllm_version != VLLM_VERSION:
             logger.warning("vLLM %s is installed; clawray is written against vLLM %s",
                            self._vllm_version, VLLM_VERSION)
         self._sampling_cls = VLLMSamplingParams
+        self._structured_cls = StructuredOutputsParams
         self._tokens_prompt = TokensPrompt
         self._kind = RequestOutputKind
         self._llm = llm
@@ -463,13 +465,18 @@ class VLLMEngine:
         defaults to the one the installed vLLM build runs on.
         """
         distribution, _ = check_vllm_available()
+        from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         settings.setdefault("device", vllm_device(distribution))
         if settings["device"] == "cpu":
             settings["enforce_eager"] = True  # no graphs to capture; compiling costs minutes
-        args = AsyncEngineArgs(**engine_args_kwargs(model_path, **settings))
+        kwargs = engine_args_kwargs(model_path, **settings)
+        # clawray's constraints are xgrammar structural tags (serve/structured.py): the
+        # "auto" backend would hand a refused one to guidance, which cannot read them.
+        kwargs.setdefault("structured_outputs_config", StructuredOutputsConfig(backend="xgrammar"))
+        args = AsyncEngineArgs(**kwargs)
         return cls(AsyncLLM.from_engine_args(args), model=model_path,
                    policy_version=policy_version, max_waiting=max_waiting)
 
@@ -496,7 +503,15 @@ class VLLMEngine:
         tokens sampled before it have arrived by the time the new version is adopted.
         """
         check_prompt_fits(len(prompt_ids), self.max_model_len)
-        vllm_params = self._sampling_cls(**sampling_kwargs(params), output_kind=self._kind.DELTA)
+        kwargs = sampling_kwargs(params)
+        if params.structural_tag is not None:  # vLLM's structured outputs (xgrammar backend)
+            await asyncio.to_thread(check_structural_tag, params.structural_tag)
+            kwargs["structured_outputs"] = self._structured_cls(
+                structural_tag=params.structural_tag)
+        try:
+            vllm_params = self._sampling_cls(**kwargs, output_kind=self._kind.DELTA)
+        except ValueError as e:  # vLLM validates the settings (and structured outputs) here
+            raise EngineError(f"vLLM refused the sampling settings: {e}") from None
         version = await self._admit()
         # A request keeps the LoRA adapter it started with: it is that policy throughout.
         lora = self._lora

@@ -27,6 +27,15 @@ from typing import Any, Union
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
+# How the chat template (chat_template.py) writes a call, exactly: constrained decoding
+# (serve/structured.py) makes the model write the same markup.
+CALL_MARKUP_END = "}\n" + TOOL_CALL_END
+CALL_SEPARATOR = "\n"  # between two calls of one message
+
+
+def call_markup_begin(name: str) -> str:
+    """The markup before a call's arguments object: ``<tool_call>\\n{"name": "…", "arguments": ``."""
+    return f'{TOOL_CALL_START}\n{{"name": {json.dumps(name)}, "arguments": '
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from clawray.serve.chat import ChatService, PreparedTurn, api_error_of
 from clawray.serve.protocol import APIError, check_id, json_object, refuse_unsupported, validated
+from clawray.serve.structured import AUTO, OutputFormat
+from clawray.serve.structured import ToolChoice as StructuredToolChoice
 from clawray.serve.turns import (
     ChoiceEnd,
     ChoiceResult,
@@ -38,7 +40,6 @@ UNSUPPORTED = {
     "top_k": (None,),
     "mcp_servers": (None, []),
     "container": (None,),
-    "output_config": (None, {}),  # structured output and effort: not built yet
 }
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                 "abort": "end_turn"}
@@ -73,6 +74,11 @@ class ToolChoice(_Open):
     disable_parallel_tool_use: bool = False
 
 
+class OutputConfig(_Open):
+    format: dict[str, Any] | None = None  # {"type": "json_schema", "schema": {...}}
+    effort: None = None  # a reasoning-effort hint: not built (any value is a 400)
+
+
 class Metadata(_Open):
     user_id: str | None = None
 
@@ -92,6 +98,7 @@ class MessagesRequest(_Open):
     # Accepted either way: a reasoning model's thinking comes back as thinking blocks whenever
     # it reasoned (serving.reasoning_parser); budget_tokens is not enforced.
     thinking: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
 
 
 def parse_request(raw: bytes) -> MessagesRequest:
@@ -109,13 +116,21 @@ def to_turn_request(req: MessagesRequest) -> TurnRequest:
         messages.append({"role": "system", "content": _texts(req.system, "system")})
     for i, m in enumerate(req.messages):
         messages += _convert(m, i)
-    tool_choice = "auto"
+    tool_choice = AUTO
     if req.tool_choice is not None:
-        if req.tool_choice.type in ("any", "tool"):
-            raise APIError(400, f"tool_choice type '{req.tool_choice.type}' is not supported "
-                           "(no constrained decoding yet); use 'auto' or 'none'",
-                           param="tool_choice", code="unsupported_parameter")
-        tool_choice = req.tool_choice.type
+        kind = req.tool_choice.type
+        if kind == "tool" and not req.tool_choice.name:
+            raise APIError(400, "tool_choice.name is required when tool_choice.type is 'tool'",
+                           param="tool_choice.name")
+        tool_choice = (StructuredToolChoice("named", req.tool_choice.name) if kind == "tool"
+                       else StructuredToolChoice("required" if kind == "any" else kind))
+    fmt = None
+    if req.output_config is not None and req.output_config.format is not None:
+        spec = req.output_config.format
+        if spec.get("type") != "json_schema" or not isinstance(spec.get("schema"), dict):
+            raise APIError(400, "output_config.format must be {'type': 'json_schema', 'schema': "
+                           "{...}}", param="output_config.format")
+        fmt = OutputFormat(spec["schema"], "output")
     tools = None
     if req.tools:
         tools = []
@@ -132,7 +147,8 @@ def to_turn_request(req: MessagesRequest) -> TurnRequest:
     return TurnRequest(
         messages=messages, tools=tools, model=req.model, max_tokens=req.max_tokens,
         temperature=req.temperature, top_p=req.top_p,
-        stop=tuple(req.stop_sequences or ()), tool_choice=tool_choice, stream=req.stream,
+        stop=tuple(req.stop_sequences or ()), tool_choice=tool_choice, output_format=fmt,
+        stream=req.stream,
         parallel_tool_calls=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use),
         session_fields=session_fields, id_prefix="msg_")
 

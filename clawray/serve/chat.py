@@ -32,6 +32,7 @@ from clawray.records import RecordSink, TurnRecord
 from clawray.serve.detokenize import IncrementalDetokenizer, StopCutter, first_stop
 from clawray.serve.protocol import APIError
 from clawray.serve.session_meta import SessionMeta, session_meta
+from clawray.serve.structured import structural_tag
 from clawray.serve.turns import (
     ChoiceEnd,
     ChoiceResult,
@@ -136,11 +137,15 @@ class ChatService:
         meta = session_meta(headers, req.session_fields, messages, self.cfg.default_turn_type,
                             tenant)
         prompt_ids, in_think = await asyncio.to_thread(self._template, messages, tools)
-        parse_tools = bool(tools) and req.tool_choice != "none"
-        # One tool call at most: generation stops at the end of the first (its closing tag is
-        # kept in the text, unlike the client's stop strings, so the call parses).
-        stops = req.stop + ((TOOL_CALL_END,) if parse_tools and not req.parallel_tool_calls
-                            else ())
+        parse_tools = bool(tools) and req.tool_choice.mode != "none"
+        constraint = structural_tag(req.output_format, tools if parse_tools else None,
+                                    req.tool_choice, req.parallel_tool_calls,
+                                    self.reasoning and in_think, self.cfg.json_whitespace)
+        # One tool call at most: unless a constraint already ends the turn after one, generation
+        # stops at the end of the first (its closing tag is kept in the text, unlike the
+        # client's stop strings, so the call parses).
+        one_call = parse_tools and not req.parallel_tool_calls and constraint is None
+        stops = req.stop + ((TOOL_CALL_END,) if one_call else ())
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} "
@@ -164,6 +169,7 @@ class ChatService:
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
             logit_bias=tuple(sorted(req.logit_bias.items())),
+            structural_tag=constraint,
         )
         return PreparedTurn(
             request_id=f"{req.id_prefix}{uuid.uuid4().hex}",

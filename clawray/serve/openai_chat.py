@@ -17,6 +17,7 @@ from clawray.serve.protocol import (
     normalize_messages,
     normalize_tools,
 )
+from clawray.serve.structured import output_format_of, tool_choice_of
 from clawray.serve.turns import (
     ChoiceEnd,
     Opened,
@@ -34,9 +35,6 @@ from clawray.serve.turns import (
 def to_turn_request(req: ChatCompletionRequest, session_fields: dict[str, Any]) -> TurnRequest:
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    if req.tool_choice not in (None, "auto", "none"):
-        raise APIError(400, "tool_choice 'required' and named tool choices are not supported "
-                       "(no constrained decoding yet); use 'auto' or 'none'", param="tool_choice")
     uses_new = req.max_completion_tokens is not None
     return TurnRequest(
         messages=normalize_messages(req.messages),
@@ -50,8 +48,9 @@ def to_turn_request(req: ChatCompletionRequest, session_fields: dict[str, Any]) 
         stop=req.stop_list(),
         seed=req.seed,
         ignore_eos=req.ignore_eos,
-        tool_choice=req.tool_choice or "auto",
+        tool_choice=tool_choice_of(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls,
+        output_format=output_format_of(req.response_format, "response_format"),
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty,

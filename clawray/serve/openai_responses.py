@@ -31,6 +31,7 @@ from clawray.serve.protocol import (
     refuse_unsupported,
     validated,
 )
+from clawray.serve.structured import OutputFormat, output_format_of, tool_choice_of
 from clawray.serve.turns import (
     ChoiceEnd,
     ChoiceResult,
@@ -92,18 +93,20 @@ def parse_request(raw: bytes) -> ResponsesRequest:
     for name in [k for k, v in data.items() if v is None]:
         del data[name]  # null: the default
     refuse_unsupported(data, UNSUPPORTED)
-    fmt = (data.get("text") or {}).get("format")
-    if fmt not in (None, {"type": "text"}):
-        raise APIError(400, "'text.format' other than text (structured output) is not supported "
-                       "by this server yet", param="text.format", code="unsupported_parameter")
     req = validated(ResponsesRequest, data, ("input",))
     for name in ("user", "safety_identifier", "prompt_cache_key"):
         check_id(getattr(req, name), name)
-    if req.tool_choice not in (None, "auto", "none"):
-        raise APIError(400, "tool_choice 'required' and named tool choices are not supported "
-                       "(no constrained decoding yet); use 'auto' or 'none'", param="tool_choice",
-                       code="unsupported_parameter")
+    output_format(req)  # a bad text.format or tool_choice is a 400 before anything runs
+    tool_choice_of(req.tool_choice)
     return req
+
+
+def output_format(req: ResponsesRequest) -> OutputFormat | None:
+    """``text.format`` (``{"type": "json_schema", "name", "schema", "strict"}`` or
+    ``json_object``) as the answer's format."""
+    if req.text is not None and not isinstance(req.text, dict):
+        raise APIError(400, "text must be an object", param="text")
+    return output_format_of((req.text or {}).get("format"), "text.format")
 
 
 def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -178,7 +181,8 @@ def to_turn_request(req: ResponsesRequest, history: list[dict[str, Any]],
     return TurnRequest(messages=messages, tools=tools, model=req.model,
                        max_tokens=req.max_output_tokens, max_tokens_param="max_output_tokens",
                        temperature=req.temperature, top_p=req.top_p,
-                       tool_choice=req.tool_choice or "auto",
+                       tool_choice=tool_choice_of(req.tool_choice),
+                       output_format=output_format(req),
                        parallel_tool_calls=req.parallel_tool_calls, stream=req.stream,
                        session_fields=fields, id_prefix="resp_")
 
@@ -226,7 +230,8 @@ class Rendered:
             "temperature": req.temperature, "top_p": req.top_p,
             "tool_choice": req.tool_choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-            "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
+            "truncation": "disabled",
             "store": req.store, "metadata": req.metadata or {}, "user": req.user,
             "usage": usage_json(usage) if usage is not None else None,
         }

@@ -23,11 +23,10 @@ NULL_MEANS_DEFAULT = ("stream", "stream_options", "temperature", "top_p", "n", "
                       "max_tokens", "max_completion_tokens", "tools", "tool_choice",
                       "ignore_eos", "model", "logprobs", "top_logprobs",
                       "parallel_tool_calls", "presence_penalty", "frequency_penalty",
-                      "repetition_penalty", "logit_bias")
+                      "repetition_penalty", "logit_bias", "response_format")
 # Fields this server does not implement yet, and the values that ask for nothing: any other
 # value is refused with a 400 naming the field instead of being silently ignored.
 UNSUPPORTED = {
-    "response_format": (None, {"type": "text"}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -115,6 +114,7 @@ class ChatCompletionRequest(_Open):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool = True
+    response_format: dict[str, Any] | None = None  # text, json_object or json_schema
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)  # vLLM extra

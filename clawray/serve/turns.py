@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Union
 
+from clawray.serve.structured import AUTO, OutputFormat, ToolChoice
+
 
 @dataclasses.dataclass
 class TurnRequest:
@@ -31,8 +33,9 @@ class TurnRequest:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
-    tool_choice: str = "auto"  # "auto" | "none"
+    tool_choice: ToolChoice = AUTO  # required / named: constrained decoding
     parallel_tool_calls: bool = True  # False: generation ends with the first tool call
+    output_format: OutputFormat | None = None  # a JSON answer (constrained decoding)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -1,7 +1,7 @@
 """The other front doors on the running app, driven by the official SDKs: ``POST /v1/messages``
 with ``anthropic`` and ``POST /v1/responses`` with ``openai`` — answers, streams, tool use,
 server-side conversation state and errors in each API's format, and each turn recorded
-token-exactly into the same kind of session as Chat Completions'."""
+token-exactly into the same kind of session as Chat Completions'. On both engines."""
 
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ pytestmark = pytest.mark.ray
 TOOLS = [{"name": "ls", "description": "List files in a directory.",
           "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
                            "required": ["path"]}}]
+
+
+@pytest.fixture(scope="module", params=["hf", "vllm"])
+def served(request):
+    """Each engine's app in turn (this module's tests hold on both)."""
+    return request.getfixturevalue(f"served_{request.param}")
 
 
 @pytest.fixture(scope="module")

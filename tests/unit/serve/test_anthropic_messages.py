@@ -182,7 +182,9 @@ async def test_a_failure_mid_stream_is_an_error_event(tiny_tokenizer):
 @pytest.mark.parametrize("extra, param", [
     ({"top_k": 5}, "top_k"),
     ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
-    ({"tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"tool_choice": {"type": "tool"}}, "tool_choice.name"),
+    ({"output_config": {"effort": "high"}}, "output_config.effort"),
+    ({"output_config": {"format": {"type": "regex"}}}, "output_config.format"),
     ({"messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                      "data": "AA=="}}]}]}, "messages.0.content.0.type"),

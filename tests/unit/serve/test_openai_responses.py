@@ -166,8 +166,9 @@ async def test_a_failure_mid_stream_is_an_error_event(tiny_tokenizer):
 
 @pytest.mark.parametrize("extra, param", [
     ({"reasoning": {"effort": "high"}}, "reasoning"),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
+    ({"tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": [{"type": "file_search_call", "id": "x"}]}, "input.0.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},

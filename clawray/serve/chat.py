@@ -134,9 +134,15 @@ class ChatService:
             raise APIError(400, f"n must be at most {self.cfg.max_n}", param="n")
         max_tokens = self._max_tokens(req.max_tokens, req.max_tokens_param)
         messages, tools = req.messages, req.tools
-        meta = session_meta(headers, req.session_fields, messages, self.cfg.default_turn_type,
-                            tenant)
-        prompt_ids, in_think = await asyncio.to_thread(self._template, messages, tools)
+        if req.prompt_ids is None:
+            meta = session_meta(headers, req.session_fields, messages,
+                                self.cfg.default_turn_type, tenant)
+            prompt_ids, in_think = await asyncio.to_thread(self._template, messages, tools)
+        else:  # a plain prompt: generated on as is, recorded as a side turn
+            meta = dataclasses.replace(session_meta(
+                headers, req.session_fields, [{"role": "user", "content": req.prompt_text}],
+                self.cfg.default_turn_type, tenant), turn_type="side")
+            prompt_ids, in_think = self._raw_prompt(req.prompt_ids), False
         parse_tools = bool(tools) and req.tool_choice.mode != "none"
         constraint = structural_tag(req.output_format, tools if parse_tools else None,
                                     req.tool_choice, req.parallel_tool_calls,
@@ -147,10 +153,12 @@ class ChatService:
         one_call = parse_tools and not req.parallel_tool_calls and constraint is None
         stops = req.stop + ((TOOL_CALL_END,) if one_call else ())
         room = self.max_model_len - len(prompt_ids)
+        what = "messages" if req.prompt_ids is None else "prompt"
         if room < 1:
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} "
-                           f"tokens, but the messages use {len(prompt_ids)} tokens",
-                           param="messages", code="context_length_exceeded")
+                           f"tokens, but the {what} {'use' if what == 'messages' else 'uses'} "
+                           f"{len(prompt_ids)} tokens",
+                           param=what, code="context_length_exceeded")
         vocab = len(self.tokenizer)
         bad = [t for t in req.logit_bias if t >= vocab]
         if bad:
@@ -185,9 +193,19 @@ class ChatService:
             include_usage=req.include_usage,
             started_at=started_at,
             logprobs=req.logprobs,
-            reasoning=self.reasoning,
+            reasoning=self.reasoning and req.prompt_ids is None,
             starts_in_reasoning=self.reasoning and in_think,
         )
+
+    def _raw_prompt(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        vocab = len(self.tokenizer)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"the prompt holds token ids outside the vocabulary (size "
+                           f"{vocab}): {bad[:5]}", param="prompt")
+        return list(ids)
 
     def _max_tokens(self, value: int | None, name: str) -> int:
         if value is None:

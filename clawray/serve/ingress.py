@@ -1,7 +1,8 @@
 """The public HTTP surface, as a Ray Serve ingress deployment.
 
-Routes: ``POST /v1/chat/completions`` and ``POST /v1/responses`` (+ ``GET`` / ``DELETE
-/v1/responses/{id}``) (OpenAI), ``POST /v1/messages`` (Anthropic), ``POST /v1/feedback``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (+
+``GET`` / ``DELETE /v1/responses/{id}``) (OpenAI), ``POST /v1/messages`` (Anthropic),
+``POST /v1/feedback``,
 ``GET /v1/models``, ``GET /healthz`` — docs/api.md. Everything else a deployment can do (status,
 pause/resume, weights, the collecting switch) is a plain method, reachable only through a Ray
 handle from inside the cluster — never through HTTP.
@@ -26,7 +27,7 @@ from clawray.inference.engine import SamplingParams, TokenOutput
 from clawray.models.loader import load_tokenizer, policy_model_info
 from clawray.records import GatedSink, RecordSink, TeeSink, make_sink, session_key
 from clawray.serve.auth import KeyChecker
-from clawray.serve import anthropic_messages, openai_chat, openai_responses
+from clawray.serve import anthropic_messages, openai_chat, openai_completions, openai_responses
 from clawray.serve.chat import ChatService
 from clawray.serve.response_store import start_response_store
 from clawray.serve.policy_server import HandlePolicy, LocalPolicy, PolicyCore
@@ -122,6 +123,17 @@ class IngressCore:
             return (turn, req.stream, lambda: openai_chat.complete(self.service, turn),
                     lambda: openai_chat.stream(self.service, turn))
         return await self._serve_turn(request, turn_of, error_response, "chat completion")
+
+    async def completions(self, request: Request) -> Response:
+        """OpenAI (legacy) Completions: plain prompts, no chat template; side turns."""
+        async def turn_of(raw: bytes, tenant: str) -> tuple[Any, bool, Any, Any]:
+            req, body_fields = openai_completions.parse_request(raw)
+            prepared = await openai_completions.prepare(self.service, req, body_fields,
+                                                        request.headers, tenant)
+            return (prepared, req.stream,
+                    lambda: openai_completions.complete(self.service, prepared),
+                    lambda: openai_completions.stream(self.service, prepared))
+        return await self._serve_turn(request, turn_of, error_response, "completion")
 
     async def responses(self, request: Request) -> Response:
         """OpenAI Responses: ``previous_response_id`` continues a conversation kept here."""
@@ -295,6 +307,10 @@ class Ingress:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._core.chat_completions(request)
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._core.completions(request)
 
     @api.post("/v1/messages")
     async def messages(self, request: Request) -> Response:

@@ -135,19 +135,24 @@ class ChatCompletionRequest(_Open):
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (v or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"keys must be token ids, got {key!r}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"biases must be in [-100, 100], got {bias} for {key}")
-        if v and len(v) > 300:
-            raise ValueError("at most 300 token biases")
-        return v
+        return check_logit_bias(v)
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+def check_logit_bias(v: dict[str, float] | None) -> dict[str, float] | None:
+    """OpenAI's ``logit_bias``: token-id keys, biases in [-100, 100], at most 300."""
+    for key, bias in (v or {}).items():
+        if not key.isdigit():
+            raise ValueError(f"keys must be token ids, got {key!r}")
+        if not -100 <= bias <= 100:
+            raise ValueError(f"biases must be in [-100, 100], got {bias} for {key}")
+    if v and len(v) > 300:
+        raise ValueError("at most 300 token biases")
+    return v
 
 
 def parse_request(raw: bytes) -> tuple[ChatCompletionRequest, dict[str, Any]]:

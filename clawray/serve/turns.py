@@ -47,6 +47,10 @@ class TurnRequest:
     # Session metadata fields the API carries in its body (session_id, user, …).
     session_fields: dict[str, Any] = dataclasses.field(default_factory=dict)
     id_prefix: str = "chatcmpl-"  # the API's response id prefix
+    # /v1/completions: the prompt as ids, generated on as is (no chat template, ``messages``
+    # empty); such a turn is a side turn (recorded, never trained: it has no conversation).
+    prompt_ids: list[int] | None = None
+    prompt_text: str | None = None  # that prompt's text (derives the session id)
 
 
 @dataclasses.dataclass

@@ -171,3 +171,22 @@ def test_response_errors_come_in_openais_shape(oai, served):
     assert e.value.body["param"] == "reasoning"
     with pytest.raises(openai.NotFoundError):
         oai.responses.create(model="no-such-model", input="hi")
+
+
+def test_plain_completions_whole_and_streamed(oai, served, tiny_tokenizer):
+    done = oai.completions.create(model=served.model, prompt=["Once upon a time", "The end"],
+                                  max_tokens=8, temperature=0, logprobs=2,
+                                  extra_headers={"X-Session-Id": "completions-1"})
+    assert done.object == "text_completion" and [c.index for c in done.choices] == [0, 1]
+    recs = served.records(expected=2, session_id="completions-1")
+    by_prompt = {tuple(r.prompt_ids): r for r in recs}
+    rec = by_prompt[tuple(tiny_tokenizer.encode("Once upon a time", add_special_tokens=False))]
+    assert rec.turn_type == "side"
+    assert done.choices[0].logprobs.token_logprobs == pytest.approx(rec.response_logprobs,
+                                                                    abs=1e-4)
+    stream = oai.completions.create(model=served.model, prompt="Once upon a time", max_tokens=8,
+                                    temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == done.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=served.model, prompt="x", suffix="y")
+    assert e.value.body["param"] == "suffix"

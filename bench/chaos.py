@@ -398,11 +398,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _flush(pipeline)
         drain_until = time.time() + args.drain_s
         left: dict[str, Any] = {}
+        # Done when nothing is leased and what is left is less than the trainer takes
+        # (training.min_batch), the same for a few take timeouts in a row.
+        settle_s = 2 * cfg.training_cfg.take_timeout_s + 1
+        settled_since: float | None = None
         while time.time() < drain_until:
             try:
                 st = ray.get(pipeline.buffer.stats.remote(), timeout=10)
                 left = {"available": st["available"], "leased": st["leased_rows"]}
-                if st["available"] == 0 and st["leased_rows"] == 0 and job.trainer is not None:
+                idle = (st["leased_rows"] == 0 and job.trainer is not None
+                        and st["available"] < cfg.training_cfg.min_batch)
+                settled_since = (settled_since or time.time()) if idle else None
+                if (st["available"] == 0 and idle) or (
+                        settled_since is not None and time.time() - settled_since > settle_s):
                     break
             except Exception:  # noqa: BLE001 - restarting
                 pass

@@ -240,21 +240,43 @@ def precision_bound(m: int, mu: float) -> float:
 
 def simulate_precision(p_plus: float, p_minus: float, m: int, trials: int,
                        seed: int) -> float:
-    """Monte Carlo precision ``A(m)`` of a synthetic RM scoring a step ``m`` times.
+    """Monte Carlo of Theorem 1's precision ``A = P(S₊ > S₋)`` of an RM scoring a step ``m`` times.
+
+    ``S₊`` is the sum of the ``m`` scores (±1) of a good step, each +1 with probability
+    ``p_plus``; ``S₋`` that of a bad step, each −1 with probability ``p_minus``, all independent.
+    ``A`` is the probability that a good step outscores a bad one, ties counted half (the
+    ranking the advantage uses: ``E[S₊ − S₋] = 2m(μ − 1)`` with ``μ = p₊ + p₋``). ``A → 1`` as
+    ``m`` grows iff ``μ > 1``, with ``A ≥ 1 − exp(−m(μ−1)²/4)``; ``A = ½`` for every ``m`` at
+    ``μ = 1``. (Majority-vote accuracy on one step is ``simulate_majority_accuracy``.)
+    """
+    _check_rates(p_plus, p_minus, m, trials)
+    rng = np.random.default_rng(seed)
+    good = rng.binomial(m, p_plus, trials)  # +1 scores of a good step
+    bad = rng.binomial(m, 1.0 - p_minus, trials)  # +1 scores of a bad step
+    return float(np.mean(good > bad) + 0.5 * np.mean(good == bad))
+
+
+def simulate_majority_accuracy(p_plus: float, p_minus: float, m: int, trials: int,
+                               seed: int) -> float:
+    """Monte Carlo accuracy of the majority of ``m`` scores on one step (not Theorem 1's ``A``).
 
     True labels are ±1 with probability 1/2 each; for a +1 step each score is +1 with
     probability ``p_plus``, for a −1 step each is −1 with probability ``p_minus``, independently.
     A trial is right when the majority of the ``m`` scores matches the label; a tie (even
-    ``m``) counts as wrong. With ``p_plus = p_minus = p`` (``μ = 2p``), ``A(m) → 1`` iff
-    ``μ > 1`` (Theorem 1); use odd ``m`` to compare with the bound without tie losses.
+    ``m``) counts as wrong. Unlike ``A``, it tends to 1 only when both rates exceed ½ (p₊ = 1,
+    p₋ = 0.2 gives μ = 1.2 but accuracy → ½).
     """
-    for name, p in (("p_plus", p_plus), ("p_minus", p_minus)):
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"{name} must be a probability in [0, 1], got {p}")
-    if m < 1 or trials < 1:
-        raise ValueError(f"m and trials must be at least 1, got m={m}, trials={trials}")
+    _check_rates(p_plus, p_minus, m, trials)
     rng = np.random.default_rng(seed)
     positive = rng.random(trials) < 0.5
     p_right = np.where(positive, p_plus, p_minus)
     right = rng.binomial(m, p_right)  # scores matching the true label
     return float(np.mean(2 * right > m))
+
+
+def _check_rates(p_plus: float, p_minus: float, m: int, trials: int) -> None:
+    for name, p in (("p_plus", p_plus), ("p_minus", p_minus)):
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"{name} must be a probability in [0, 1], got {p}")
+    if m < 1 or trials < 1:
+        raise ValueError(f"m and trials must be at least 1, got m={m}, trials={trials}")

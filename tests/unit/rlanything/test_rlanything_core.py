@@ -26,6 +26,7 @@ from clawray.rlanything.core import (
     programmatic_critique,
     rm_consistency_rewards,
     rm_task_filter,
+    simulate_majority_accuracy,
     simulate_precision,
     step_advantages,
     step_rewards,
@@ -220,40 +221,55 @@ def test_precision_bound_values():
         precision_bound(0, 1.6)
 
 
+def exact_precision(p_plus: float, p_minus: float, m: int) -> float:
+    """Theorem 1's A = P(S+ > S-) + P(S+ = S-)/2, exactly: S+ counts Binomial(m, p+) +1 scores
+    of a good step, S- Binomial(m, 1 - p-) of a bad one."""
+    def pmf(p: float) -> list[float]:
+        return [math.comb(m, k) * p ** k * (1 - p) ** (m - k) for k in range(m + 1)]
+    good, bad = pmf(p_plus), pmf(1 - p_minus)
+    return sum(g * b * (1.0 if i > j else 0.5 if i == j else 0.0)
+               for i, g in enumerate(good) for j, b in enumerate(bad))
+
+
 def test_more_scores_raise_precision_above_the_bound_when_mu_exceeds_one():
-    # p+ = p- = 0.8, mu = 1.6: exact A(m) = P(Binomial(m, 0.8) > m/2)
-    exact = [0.8, 0.896, 0.98041856, 0.999030303561737]
-    measured = [simulate_precision(0.8, 0.8, m, TRIALS, seed=m) for m in MS]
-    for m, a, e in zip(MS, measured, exact):
-        assert abs(a - e) <= _tolerance(), (m, a, e)
-        assert a >= precision_bound(m, 1.6) - _tolerance(), (m, a)
-    assert all(b >= a - _tolerance() for a, b in itertools.pairwise(measured))
-    assert measured[-1] > 0.95
+    for p_plus, p_minus in ((0.8, 0.8), (1.0, 0.3), (0.65, 0.7)):  # mu = 1.6, 1.3, 1.35
+        mu = p_plus + p_minus
+        measured = [simulate_precision(p_plus, p_minus, m, TRIALS, seed=m) for m in MS]
+        for m, a in zip(MS, measured):
+            assert abs(a - exact_precision(p_plus, p_minus, m)) <= _tolerance(), (m, a)
+            assert a >= precision_bound(m, mu) - _tolerance(), (m, a)
+        assert all(b >= a - _tolerance() for a, b in itertools.pairwise(measured))
+    assert exact_precision(0.8, 0.8, 21) > 0.999 and exact_precision(1.0, 0.3, 101) > 0.99
 
 
 def test_more_scores_lower_precision_when_mu_is_below_one():
-    # p+ = p- = 0.4, mu = 0.8: exact A(m) = P(Binomial(m, 0.4) > m/2)
-    exact = [0.4, 0.352, 0.26656768, 0.17437786636177277]
-    measured = [simulate_precision(0.4, 0.4, m, TRIALS, seed=100 + m) for m in MS]
-    for m, a, e in zip(MS, measured, exact):
-        assert abs(a - e) <= _tolerance(), (m, a, e)
-    assert all(b < a for a, b in itertools.pairwise(measured))
-    assert max(measured) < 0.5
+    for p_plus, p_minus in ((0.4, 0.4), (0.9, 0.0)):  # mu = 0.8, 0.9
+        measured = [simulate_precision(p_plus, p_minus, m, TRIALS, seed=100 + m) for m in MS]
+        for m, a in zip(MS, measured):
+            assert abs(a - exact_precision(p_plus, p_minus, m)) <= _tolerance(), (m, a)
+        assert all(b < a for a, b in itertools.pairwise(measured)) and measured[0] < 0.5
 
 
 def test_precision_stays_at_one_half_when_mu_is_one():
-    for m in MS:
-        assert abs(simulate_precision(0.5, 0.5, m, TRIALS, seed=200 + m) - 0.5) <= _tolerance()
+    for p_plus, p_minus in ((0.5, 0.5), (0.9, 0.1)):
+        for m in MS:
+            a = simulate_precision(p_plus, p_minus, m, TRIALS, seed=200 + m)
+            assert abs(a - 0.5) <= _tolerance(), (p_plus, p_minus, m, a)
 
 
-def test_simulation_counts_ties_as_wrong_and_rejects_bad_probabilities():
+def test_majority_accuracy_is_not_precision_and_counts_ties_as_wrong():
     # m = 2 at p = 0.5: right only when both scores match the label, 1/4
-    assert abs(simulate_precision(0.5, 0.5, 2, TRIALS, seed=7) - 0.25) <= _tolerance(0.25)
-    assert simulate_precision(1.0, 1.0, 4, 100, seed=0) == 1.0
+    assert abs(simulate_majority_accuracy(0.5, 0.5, 2, TRIALS, seed=7) - 0.25) <= \
+        _tolerance(0.25)
+    assert simulate_majority_accuracy(1.0, 1.0, 4, 100, seed=0) == 1.0
+    # mu = 1.3 > 1: precision tends to 1, the majority's accuracy on one step stays near 1/2
+    assert simulate_majority_accuracy(1.0, 0.3, 101, TRIALS, seed=1) < 0.55
+    assert simulate_precision(1.0, 0.3, 101, TRIALS, seed=1) > 0.99
     assert simulate_precision(0.3, 0.6, 5, 1000, seed=3) == simulate_precision(
         0.3, 0.6, 5, 1000, seed=3)
-    with pytest.raises(ValueError, match="p_minus must be a probability in"):
-        simulate_precision(0.5, 1.5, 3, 10, seed=0)
+    for f in (simulate_precision, simulate_majority_accuracy):
+        with pytest.raises(ValueError, match="p_minus must be a probability in"):
+            f(0.5, 1.5, 3, 10, seed=0)
 
 
 # ---------------------------------------------------------------------------- step RM prompt

@@ -51,8 +51,8 @@ from clawray.apps.env_demo import env_demo_config  # noqa: E402
 from clawray.config import ClawRayConfig
 from clawray.rlanything.loop import StepScorer
 from clawray.serve.app import build_app
-from clawray.training.evaluate import (EVAL_MAX_DIFFICULTY, EVAL_SAMPLES, held_out_success,
-                                       held_out_tasks, step_accuracy)
+from clawray.training.evaluate import (EVAL_MAX_DIFFICULTY, EVAL_SAMPLES, balanced,
+                                       held_out_success, held_out_tasks, step_accuracy)
 from clawray.training.rm_sft import EVAL_SEED_OFFSET, collect_steps, run_rm_sft
 from clawray.training.sft import run_sft
 from clawray.training.trainer import Trainer
@@ -164,11 +164,11 @@ def measure(trainer: Any, cfg: ClawRayConfig, tasks: list[Any],
 
 def describe(measured: dict[str, Any]) -> str:
     """One line of ``measure``'s numbers (an RM with no parseable scoring has no accuracy)."""
-    rm = measured["rm"]
+    rm = _rm(measured["rm"])
     f = (lambda v: "-" if v is None else f"{v:.3f}")
-    return (f"held-out success {measured['success']:.1%}, RM step accuracy "
-            f"{f(rm['step_acc'])} (majority {f(rm['majority_acc'])}, unparseable "
-            f"{f(rm['unparseable'])})")
+    return (f"held-out success {measured['success']:.1%}, RM balanced accuracy "
+            f"{f(rm['balanced_acc'])} (p₊ {f(rm['plus_acc'])}, p₋ {f(rm['minus_acc'])}, "
+            f"unparseable {f(rm['unparseable'])})")
 
 
 @contextlib.contextmanager
@@ -296,11 +296,27 @@ def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], rows: list[str] |
 
 
 def _spread(values: list[float]) -> dict[str, Any]:
+    """Mean, population std and standard error (sample std / √n) over seeds."""
     arr = np.asarray([v for v in values if v is not None], dtype=float)
     if not len(arr):
-        return {"mean": None, "std": None, "n": 0, "values": []}
-    return {"mean": float(arr.mean()), "std": float(arr.std()), "n": int(len(arr)),
+        return {"mean": None, "std": None, "se": None, "n": 0, "values": []}
+    se = float(arr.std(ddof=1) / np.sqrt(len(arr))) if len(arr) > 1 else None
+    return {"mean": float(arr.mean()), "std": float(arr.std()), "se": se, "n": int(len(arr)),
             "values": [float(v) for v in arr]}
+
+
+def _rm(rm: dict[str, Any]) -> dict[str, Any]:
+    """An RM measurement with its balanced accuracy (older results lack the key)."""
+    return {**rm, **balanced(rm.get("plus_acc"), rm.get("minus_acc"))}
+
+
+def table_rows(summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary's rows, recomputed from its runs when it predates a measure."""
+    rows = summary["rows"]
+    if all("rm_balanced_acc_after" in t for t in rows.values()):
+        return rows
+    return summarize(summary["runs"], summary["seeds"], summary["steps"],
+                     summary.get("rm_label_noise", 0.0), summary.get("seconds", 0.0))["rows"]
 
 
 def summarize(runs: dict[str, dict[str, Any]], seeds: list[int], steps: int,
@@ -315,6 +331,8 @@ def summarize(runs: dict[str, dict[str, Any]], seeds: list[int], steps: int,
             "success_after": _spread([r["after"]["success"] for r in rs]),
             "rm_step_acc_before": _spread([r["before"]["rm"]["step_acc"] for r in rs]),
             "rm_step_acc_after": _spread([r["after"]["rm"]["step_acc"] for r in rs]),
+            **{f"rm_{k}_{when}": _spread([_rm(r[when]["rm"])[k] for r in rs])
+               for k in ("balanced_acc", "plus_acc", "minus_acc") for when in ("before", "after")},
             "rm_majority_acc_before": _spread([r["before"]["rm"]["majority_acc"] for r in rs]),
             "rm_majority_acc_after": _spread([r["after"]["rm"]["majority_acc"] for r in rs]),
             "accepted_rewrites": _spread([r["accepted_total"] for r in rs]),
@@ -328,19 +346,22 @@ def table_markdown(summary: dict[str, Any]) -> str:
         if s["mean"] is None:
             return "-"
         f = (lambda v: f"{100 * v:.1f} %") if pct else (lambda v: f"{v:.3f}")
-        return f(s["mean"]) + (f" ± {f(s['std'])}" if s["n"] > 1 else "")
+        se = s.get("se")
+        return f(s["mean"]) + (f" ± {f(se)}" if se is not None else "")
 
     lines = [f"Seeds {summary['seeds']}, {summary['steps']} steps per row "
-             f"(mean ± std over seeds).", "",
-             "| row | held-out success before | after | RM step acc before | after "
-             "| RM majority acc before | after | accepted rewrites |",
+             f"(mean ± standard error over seeds). RM accuracy against the step oracle: "
+             f"balanced accuracy (p₊ + p₋)/2 of single scorings, p₊ on progress steps, p₋ on "
+             f"no-progress steps.", "",
+             "| row | held-out success before | after | RM balanced acc before | after "
+             "| RM p₊ after | RM p₋ after | accepted rewrites |",
              "|---|---|---|---|---|---|---|---|"]
-    for row, t in summary["rows"].items():
+    for row, t in table_rows(summary).items():
         lines.append(
             f"| {row} | {cell(t['success_before'], True)} | {cell(t['success_after'], True)} "
-            f"| {cell(t['rm_step_acc_before'], False)} | {cell(t['rm_step_acc_after'], False)} "
-            f"| {cell(t['rm_majority_acc_before'], False)} "
-            f"| {cell(t['rm_majority_acc_after'], False)} "
+            f"| {cell(t['rm_balanced_acc_before'], False)} "
+            f"| {cell(t['rm_balanced_acc_after'], False)} "
+            f"| {cell(t['rm_plus_acc_after'], False)} | {cell(t['rm_minus_acc_after'], False)} "
             f"| {cell(t['accepted_rewrites'], False)} |")
     return "\n".join(lines) + "\n"
 
@@ -359,15 +380,16 @@ def draw_table(summary: dict[str, Any]) -> Any:
     """The table's figure: success and RM accuracy before/after per row, accepted rewrites."""
     import matplotlib.pyplot as plt
 
-    rows = list(summary["rows"])
+    table = table_rows(summary)
+    rows = list(table)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     x = np.arange(len(rows))
     for ax, key, title in ((axes[0], "success", "held-out policy success"),
-                           (axes[1], "rm_step_acc", "RM step accuracy (vs step oracle)")):
+                           (axes[1], "rm_balanced_acc", "RM balanced accuracy (vs step oracle)")):
         for k, (when, off) in enumerate((("before", -0.2), ("after", 0.2))):
-            s = [summary["rows"][r][f"{key}_{when}"] for r in rows]
-            ax.bar(x + off, [v["mean"] or 0 for v in s], 0.4, yerr=[v["std"] or 0 for v in s],
-                   label=when, color=f"C{k}")
+            s = [table[r][f"{key}_{when}"] for r in rows]
+            ax.bar(x + off, [v["mean"] or 0 for v in s], 0.4,
+                   yerr=[v.get("se") or 0 for v in s], label=when, color=f"C{k}")
         ax.set(title=title, xticks=x, xticklabels=rows, ylim=(0, 1))
         ax.legend()
     for row in rows:

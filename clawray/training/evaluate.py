@@ -120,9 +120,19 @@ def rm_step_accuracy(model_path: str | Path, cfg: ClawRayConfig, contexts: list[
     return step_accuracy([c.progress for c in contexts], scores)
 
 
+def balanced(plus_acc: float | None, minus_acc: float | None) -> dict[str, float | None]:
+    """Balanced accuracy ``(p₊ + p₋) / 2`` and Theorem 1's ``μ = p₊ + p₋`` (None when a class
+    has nothing to count): what RM accuracy is judged by, as plain accuracy rewards answering
+    the majority class."""
+    if plus_acc is None or minus_acc is None:
+        return {"balanced_acc": None, "mu": None}
+    return {"balanced_acc": (plus_acc + minus_acc) / 2, "mu": plus_acc + minus_acc}
+
+
 def step_accuracy(progress: list[bool], scores: list[list[int | None]]) -> dict[str, Any]:
     """``rm_step_accuracy``'s numbers from oracle labels and parsed scores (None: unparseable);
-    a share with nothing to count is None (JSON null in the info file)."""
+    a share with nothing to count is None (JSON null in the info file). ``balanced_acc`` and
+    ``mu`` are computed from ``plus_acc`` (p₊) and ``minus_acc`` (p₋)."""
     def acc(which: list[int]) -> float | None:
         hits = [s == (1 if progress[i] else -1) for i in which for s in scores[i]
                 if s is not None]
@@ -132,10 +142,11 @@ def step_accuracy(progress: list[bool], scores: list[list[int | None]]) -> dict[
     majority = [sum(s for s in scores[i] if s is not None) * (1 if progress[i] else -1) > 0
                 for i in steps]
     total = sum(len(s) for s in scores)
+    plus, minus = acc([i for i in steps if progress[i]]), acc([i for i in steps if not progress[i]])
     return {"step_acc": acc(steps),
+            **balanced(plus, minus),
             "majority_acc": sum(majority) / len(steps) if steps else None,
             "unparseable": (sum(s is None for row in scores for s in row) / total
                             if total else None),
-            "plus_acc": acc([i for i in steps if progress[i]]),
-            "minus_acc": acc([i for i in steps if not progress[i]]),
+            "plus_acc": plus, "minus_acc": minus,
             "n_steps": len(steps), "n_plus": sum(progress)}

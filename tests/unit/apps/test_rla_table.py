@@ -37,14 +37,15 @@ def test_rows_switch_rm_cotraining_and_env_adaptation_and_share_the_rest(tmp_pat
 
 
 def run(success: tuple[float, float], rm: tuple[float, float], accepted: list[int]) -> dict:
-    def m(s: float, a: float) -> dict:
-        return {"success": s, "rm": {"step_acc": a, "majority_acc": a + 0.05}}
+    def m(s: float, a: float) -> dict:  # p+ = a, p- = a - 0.2: balanced a - 0.1
+        return {"success": s, "rm": {"step_acc": a, "majority_acc": a + 0.05, "plus_acc": a,
+                                     "minus_acc": a - 0.2}}
     return {"before": m(success[0], rm[0]), "after": m(success[1], rm[1]),
             "steps": [{"step": i + 1, "env_accepted": n} for i, n in enumerate(accepted)],
             "accepted_total": sum(accepted)}
 
 
-def test_summary_gives_mean_and_population_spread_over_seeds_and_a_table(tmp_path):
+def test_summary_gives_mean_spread_and_standard_error_over_seeds_and_a_table(tmp_path):
     runs = {"policy": {"0": run((0.2, 0.3), (0.7, 0.7), [0, 0]),
                        "1": run((0.2, 0.1), (0.7, 0.7), [0, 0])},
             "policy+rm+env": {"0": run((0.2, 0.4), (0.7, 0.8), [1, 2])}}
@@ -52,19 +53,27 @@ def test_summary_gives_mean_and_population_spread_over_seeds_and_a_table(tmp_pat
     p = s["rows"]["policy"]
     assert p["success_after"]["mean"] == pytest.approx(0.2)
     assert p["success_after"]["std"] == pytest.approx(0.1)  # population std of 0.3 and 0.1
+    assert p["success_after"]["se"] == pytest.approx(0.1)  # sample std 0.1414 / sqrt(2)
+    assert p["rm_balanced_acc_after"]["mean"] == pytest.approx(0.6)
     assert p["success_after"]["values"] == [0.3, 0.1] and p["seeds"] == ["0", "1"]
     e = s["rows"]["policy+rm+env"]
     assert e["accepted_rewrites"]["mean"] == 3 and e["success_after"]["n"] == 1
     assert e["rm_majority_acc_after"]["mean"] == pytest.approx(0.85)
     md = table_markdown(s)
-    assert "| policy | 20.0 % ± 0.0 % | 20.0 % ± 10.0 % | 0.700 ± 0.000 |" in md
-    assert "| policy+rm+env | 20.0 % | 40.0 % | 0.700 | 0.800 |" in md  # one seed: no ±
+    assert "| policy | 20.0 % ± 0.0 % | 20.0 % ± 10.0 % | 0.600 ± 0.000 | 0.600 ± 0.000 " \
+        "| 0.700 ± 0.000 | 0.500 ± 0.000 |" in md
+    assert "| policy+rm+env | 20.0 % | 40.0 % | 0.600 | 0.700 | 0.800 | 0.600 |" in md  # no ±
+    # a summary written before balanced accuracy existed is re-summarized from its runs
+    old = {**s, "rows": {k: {m: v for m, v in t.items() if "balanced" not in m}
+                         for k, t in s["rows"].items()}}
+    assert table_markdown(old) == md
     plot_table(s, tmp_path / "t.png")
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_measure_nobody_could_take_is_a_dash_not_a_crash():
-    none = {"success": 0.0, "rm": {"step_acc": None, "majority_acc": None}}
+    none = {"success": 0.0, "rm": {"step_acc": None, "majority_acc": None, "plus_acc": None,
+                                   "minus_acc": None}}
     runs = {"policy": {"0": {"before": none, "after": none, "steps": [], "accepted_total": 0}}}
     md = table_markdown(summarize(runs, [0], 0, 0.0, 0.0))
     assert "| policy | 0.0 % | 0.0 % | - | - | - | - | 0.000 |" in md

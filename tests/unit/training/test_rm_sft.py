@@ -98,6 +98,11 @@ def test_step_accuracy_counts_parseable_votes_majorities_and_ties():
     assert got["majority_acc"] == pytest.approx(2 / 4)  # step 2 ties, step 1 has no vote
     assert got["unparseable"] == pytest.approx(4 / 12)
     assert got["plus_acc"] == pytest.approx(3 / 5) and got["minus_acc"] == pytest.approx(2 / 3)
+    assert got["balanced_acc"] == pytest.approx((3 / 5 + 2 / 3) / 2)
+    assert got["mu"] == pytest.approx(3 / 5 + 2 / 3)
+    # an RM that always answers -1: plain accuracy is the majority's share, balanced 0.5
+    always = step_accuracy([True, False, False], [[-1, -1], [-1, -1], [-1, -1]])
+    assert always["step_acc"] == pytest.approx(2 / 3) and always["balanced_acc"] == 0.5
     assert got["n_steps"] == 4 and got["n_plus"] == 2
 
 

@@ -8,6 +8,11 @@ environment's step oracle (``progress``: did the action make progress?). The ora
 only to *evaluate* reward models (RM step accuracy) and to drive the synthetic oracle judge of
 ``oracle.py``; it never enters a training reward.
 
+``expert_alternatives`` gives, at every state an episode visited, the step the family's expert
+would have taken there instead (its action, the observation it got, the oracle's label): steps
+from the policy's own states, which a reward model's warm start can learn from without telling
+expert trajectories from the policy's apart instead of progress from no progress.
+
 ``step_rm_request`` renders a step as a step-RM prompt (``judging/step_rm.py``): the task is the
 environment's first observation, the history is the last ``history_window`` exchanges before the
 action (``None``: all of it), as the policy's own prompts are cut (``context_messages``).
@@ -15,9 +20,11 @@ action (``None``: all of it), as the policy's own prompts are cut (``context_mes
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
+from clawray.envs.base import TaskFamily
 from clawray.envs.rollout import Episode, context_messages
 from clawray.judging.prompts import JudgeRequest
 from clawray.judging.step_rm import build_step_rm_prompt
@@ -58,6 +65,26 @@ def step_contexts(episode: Episode) -> list[StepContext]:
         observation = "\n".join(_text(m) for m in msgs[i + 1:end])
         out.append(StepContext(task_text, msgs[:i], st.text, observation, st.progress,
                                st.valid, k))
+    return out
+
+
+def expert_alternatives(family: TaskFamily, episode: Episode) -> list[StepContext]:
+    """For each step of ``episode``, the expert's action at the same state instead (one context
+    per step, the same history; ``progress``/``valid`` are the oracle's for the expert's action).
+
+    The episode is replayed in a fresh environment of ``family``; at each state a copy of it
+    takes the expert's action, then the original takes the policy's."""
+    env = family.make_env()
+    env.reset(episode.task)
+    out = []
+    for ctx, st in zip(step_contexts(episode), episode.steps):
+        shadow = copy.deepcopy(env)
+        action = shadow.expert_action()
+        result = shadow.step(action)
+        out.append(dataclasses.replace(
+            ctx, action=action.text(), progress=result.progress, valid=result.valid,
+            observation="\n".join(_text(m) for m in result.messages)))
+        env.step(env.as_action(st.text))
     return out
 
 

@@ -5,11 +5,13 @@ needs an RM that already writes a verdict: the untrained embedded model never en
 ``\boxed{}``, every scoring is unparseable and co-training gets no signal. This warm start
 teaches the verdict format and a first notion of progress from the environment's step oracle:
 
-1. ``n_tasks`` seeded tasks (params up to ``max_difficulty`` of the box, ``sft.seed``) are
+1. ``n_tasks`` seeded tasks (params up to ``max_difficulty`` of the box, seed ``sft.seed +
+   TASK_SEED_OFFSET``: none of them is among the policy's SFT tasks or the held-out ones) are
    played by the POLICY model (``policy_path``, e.g. ``clawray sft``'s result) at the runners'
    sampling settings; every step becomes a ``StepContext`` (``steps.py``) with its oracle
    label. An imperfect policy makes both progress and no-progress steps; where progress steps
-   are scarce the expert's steps of the same tasks are added (``collect_steps``).
+   are scarce, the expert's action at states the policy visited is added
+   (``steps.expert_alternatives``, ``collect_steps``).
 2. Each step becomes an ``sft`` row (``rm_sft_rows``): the prompt is the step-RM request
    templated exactly as the JudgeServer templates it, the response ``\boxed{1}`` (progress) or
    ``\boxed{-1}`` then ``<|im_end|>``; classes are balanced, labels optionally flipped
@@ -28,7 +30,6 @@ is ``model.path`` (or ``base=``); ``rlanything.rm_model_path`` is never read her
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -39,20 +40,22 @@ from typing import Any
 
 from clawray.config import ClawRayConfig
 from clawray.envs import make_family
-from clawray.envs.base import Task, TaskFamily
-from clawray.envs.rollout import Episode, play_episode, render_prompt
-from clawray.inference.engine import SamplingParams, TokenOutput
+from clawray.envs.rollout import render_prompt
 from clawray.models.chat_template import IM_END
 from clawray.models.loader import load_tokenizer, policy_model_info, resolve_model_path
-from clawray.rlanything.steps import StepContext, step_contexts, step_rm_request
+from clawray.rlanything.steps import (StepContext, expert_alternatives, step_contexts,
+                                      step_rm_request)
 from clawray.samples import make_row
 from clawray.training.evaluate import play_tasks, rm_step_accuracy
 from clawray.training.sft import (SFTResult, cached_result, demo_tasks, files_digest,
                                   learner_settings, save_result, train_sft)
 
 logger = logging.getLogger(__name__)
-RECIPE = "1"  # bump when the rows, the step collection or the training recipe change
+RECIPE = "2"  # bump when the rows, the step collection or the training recipe change
 EVAL_SEED_OFFSET = 1_000_003  # held-out tasks: the same offset as clawray sft's
+# The RM learns from tasks of a stream of their own: with the policy's seed they were the first
+# n of the policy's own SFT tasks, where it plays like the expert it imitated (recipe 1).
+TASK_SEED_OFFSET = 2_000_003
 MAX_IMBALANCE = 2  # the majority class keeps at most this many rows per minority row
 
 
@@ -61,48 +64,32 @@ def verdict(progress: bool) -> str:
     return "\\boxed{1}" if progress else "\\boxed{-1}"
 
 
-def _expert_episode(family: TaskFamily, task: Task, tokenizer: Any,
-                    history_window: int | None) -> Episode:
-    """``task`` played by the family's expert through ``play_episode``, so its steps are cut
-    and rendered exactly like the policy's."""
-    shadow = family.make_env()
-    shadow.reset(task)
-    end = tokenizer.convert_tokens_to_ids(IM_END)
-
-    async def generate(_ids: list[int], _params: SamplingParams) -> TokenOutput:
-        action = shadow.expert_action()
-        shadow.step(action)
-        ids = tokenizer.encode(action.text(), add_special_tokens=False) + [end]
-        return TokenOutput(ids, [0.0] * len(ids), "stop", 0)
-
-    return asyncio.run(play_episode(family, task, generate, tokenizer, SamplingParams(),
-                                    max_steps=100, history_window=history_window))
-
-
 def collect_steps(policy_path: str | Path, cfg: ClawRayConfig, n_tasks: int,
                   max_difficulty: float, seed: int) -> list[StepContext]:
     """The steps of ``n_tasks`` seeded tasks played by the policy at ``policy_path`` (sampling
     at ``environments.temperature``, episode ``i`` seeded ``seed + i``), in task order.
 
     If fewer than one step in ``MAX_IMBALANCE + 1`` made progress (a weak policy), the
-    balancing of ``rm_sft_rows`` would throw most no-progress steps away, so the expert's
-    steps of the same tasks (all progress, in practice) are appended, one task at a time,
-    until it is no longer so or the tasks run out."""
+    balancing of ``rm_sft_rows`` would throw most no-progress steps away, so progress steps are
+    added: the expert's action at the states the policy visited (``expert_alternatives``), one
+    episode at a time, until it is no longer so or the episodes run out. They come from the
+    policy's own states: recipe 1 added whole expert episodes instead, so every added progress
+    step came from an expert trajectory and the RM could learn to tell expert trajectories from
+    the policy's rather than progress from no progress (its Table 1 warm start was at chance on
+    the policy's held-out steps; ``scripts/rm_probe.py``)."""
     e = cfg.environments_cfg
     family = make_family(e.family, **e.family_kwargs)
     tasks = demo_tasks(family, n_tasks, max_difficulty, seed)
-    contexts = [c for ep in play_tasks(Path(policy_path), cfg, tasks, seed=seed)
-                for c in step_contexts(ep)]
+    episodes = play_tasks(Path(policy_path), cfg, tasks, seed=seed)
+    contexts = [c for ep in episodes for c in step_contexts(ep)]
     plus = sum(c.progress for c in contexts)
     minus = len(contexts) - plus
-    tokenizer = load_tokenizer(policy_path)
-    for task in tasks:
+    for ep in episodes:
         if plus * MAX_IMBALANCE >= minus:
             break
-        expert = step_contexts(_expert_episode(family, task, tokenizer, e.history_window))
-        contexts += expert
-        plus += sum(c.progress for c in expert)
-        minus += sum(not c.progress for c in expert)
+        added = [c for c in expert_alternatives(family, ep) if c.progress]
+        contexts += added
+        plus += len(added)
     return contexts
 
 
@@ -170,7 +157,7 @@ def run_rm_sft(cfg: ClawRayConfig, policy_path: str | Path, force: bool = False,
     if (hit := cached_result(out, force)) is not None:
         return hit
     t0 = time.perf_counter()
-    contexts = collect_steps(policy, cfg, n_tasks, max_difficulty, s.seed)
+    contexts = collect_steps(policy, cfg, n_tasks, max_difficulty, s.seed + TASK_SEED_OFFSET)
     rows = rm_sft_rows(contexts, load_tokenizer(base), cfg.environments_cfg.history_window,
                        label_noise, s.seed)
     history = train_sft(base, cfg, rows, progress)

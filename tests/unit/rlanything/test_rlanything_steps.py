@@ -12,7 +12,7 @@ from clawray.envs.rollout import play_episode
 from clawray.inference.engine import SamplingParams
 from clawray.judging.step_rm import parse_step_score
 from clawray.rlanything.oracle import OracleJudge
-from clawray.rlanything.steps import step_contexts, step_rm_request
+from clawray.rlanything.steps import expert_alternatives, step_contexts, step_rm_request
 
 from tests.support.env_policies import expert_policy, scripted
 
@@ -47,6 +47,23 @@ def test_a_policy_that_repeats_an_invalid_action_gets_no_progress_steps(tiny_tok
     ep = asyncio.run(play_episode(family, task, gen, tiny_tokenizer, PARAMS, max_steps=4))
     ctxs = step_contexts(ep)
     assert [c.progress for c in ctxs] == [False] * len(ep.steps)
+
+
+def test_expert_alternatives_are_the_experts_step_at_the_policys_own_states(tiny_tokenizer):
+    family = make_family("household")
+    task = family.generate([0.3] * 4, seed=5)
+    gen = scripted(tiny_tokenizer, lambda _p: "jump over the moon")
+    ep = asyncio.run(play_episode(family, task, gen, tiny_tokenizer, PARAMS, max_steps=4))
+    policy, alt = step_contexts(ep), expert_alternatives(family, ep)
+    assert len(alt) == len(policy) == 4
+    # the same states (histories), the expert's action instead, which makes progress there
+    assert [a.history for a in alt] == [p.history for p in policy]
+    assert all(a.progress and a.valid and a.action != p.action for a, p in zip(alt, policy))
+    # the invalid action changed nothing: every state is the first, so is the expert's step
+    assert len({(a.action, a.observation) for a in alt}) == 1
+    # on the expert's own episode the alternatives are its steps, exactly
+    expert = _expert_episode(tiny_tokenizer)
+    assert expert_alternatives(family, expert) == step_contexts(expert)
 
 
 def test_the_step_rm_request_shows_task_state_action_and_next_observation(tiny_tokenizer):

@@ -16,20 +16,20 @@ from clawray.inference.engine import SamplingParams
 from clawray.models.chat_template import IM_END
 from clawray.rlanything.steps import step_contexts, step_rm_request
 
-from tests.support.env_policies import scripted
+from tests.support.env_policies import expert_policy, scripted
 
 
 @pytest.fixture(scope="module")
 def mixed_contexts(tiny_tokenizer):
     """Steps of two household tasks: the expert's (progress) and a policy that only says an
     invalid action (no progress)."""
-    from clawray.training.rm_sft import _expert_episode
-
     family = make_family("household")
     out = []
     for seed in (5, 6):
         task = family.generate([0.3] * 4, seed=seed)
-        out += step_contexts(_expert_episode(family, task, tiny_tokenizer, 0))
+        out += step_contexts(asyncio.run(play_episode(
+            family, task, expert_policy(family, task, tiny_tokenizer), tiny_tokenizer,
+            SamplingParams(max_tokens=48), history_window=0)))
         bad = scripted(tiny_tokenizer, lambda _p: "jump over the moon")
         out += step_contexts(asyncio.run(play_episode(
             family, task, bad, tiny_tokenizer, SamplingParams(max_tokens=8), max_steps=4,
@@ -106,6 +106,29 @@ def test_step_accuracy_counts_parseable_votes_majorities_and_ties():
     assert got["n_steps"] == 4 and got["n_plus"] == 2
 
 
+def test_the_rms_tasks_are_none_of_the_policys_sft_tasks_nor_the_held_out_ones():
+    """The RM's warm start learns from tasks of a stream of their own: neither the policy's SFT
+    tasks (where the policy plays like its expert) nor the tasks its accuracy is tested on."""
+    from pathlib import Path
+
+    from clawray.apps.env_demo import env_demo_config
+    from clawray.envs.base import demo_tasks
+    from clawray.training.rm_sft import EVAL_SEED_OFFSET, TASK_SEED_OFFSET
+
+    cfg = env_demo_config(ClawRayConfig(), Path("."), 0)
+    s, e = cfg.sft_cfg, cfg.environments_cfg
+    family = make_family(e.family, **e.family_kwargs)
+
+    def ids(n: int, seed: int) -> set[str]:
+        return {t.task_id for t in demo_tasks(family, n, s.max_difficulty, seed)}
+
+    policy = ids(s.tasks, s.seed)
+    rm = ids(200, s.seed + TASK_SEED_OFFSET)
+    held_out = ids(40, s.seed + EVAL_SEED_OFFSET)
+    assert len(rm) == 200 and not rm & policy and not rm & held_out and not held_out & policy
+    assert ids(200, s.seed) <= policy  # what recipe 1 did: the policy's first 200 tasks
+
+
 def _cfg(tmp_path):
     return (ClawRayConfig()
             .environments(family="household", history_window=0, max_tokens=8, max_steps=4)
@@ -125,7 +148,7 @@ def test_rm_sft_trains_on_the_policys_steps_and_is_cached_by_setting(tmp_path,
     assert not first.cached and info == first.info
     assert first.path.name == f"rm-sft-{info['key']}"
     assert info["nll_last"] < info["nll_first"]
-    # The tiny policy never makes progress: the expert's steps were added to balance.
+    # The tiny policy never makes progress: the expert's actions at its states were added.
     plus = info["progress_steps"]
     assert plus > 0 and 2 * plus >= info["steps_collected"] - plus
     for when in ("rm_before", "rm_after"):

@@ -224,9 +224,16 @@ def main(argv: list[str] | None = None) -> None:
                 rows = rm_sft_rows(sources[source], tokenizer, window, noise, seed)
                 model = train_sft(base, run_cfg, rows, progress=False)["model"].eval()
                 scored = {**pools, "train": sample(pools["train"], args.score_train)}
-                runs.append({k: separation([c.progress for c in v],
-                                           verdict_scores(model, tokenizer, v, window))
-                             for k, v in scored.items()})
+                run: dict[str, Any] = {}
+                for k, v in scored.items():
+                    scores = verdict_scores(model, tokenizer, v, window)
+                    run[k] = separation([c.progress for c in v], scores)
+                    # among valid actions only: progress vs none, without the invalid-action cue
+                    valid = [(c.progress, s) for c, s in zip(v, scores) if c.valid]
+                    if any(y for y, _ in valid) and not all(y for y, _ in valid):
+                        run[k]["valid_only"] = separation([y for y, _ in valid],
+                                                          [s for _, s in valid])
+                runs.append(run)
                 print(f"{source} window {window} noise {noise} steps {steps} seed {seed}: "
                       + ", ".join(
                     f"{k} bal {r['balanced_acc']:.3f} auc {r['auc']:.3f}"

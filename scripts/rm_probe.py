@@ -53,7 +53,7 @@ from clawray.inference.engine import SamplingParams, TokenOutput
 from clawray.models.chat_template import IM_END
 from clawray.models.loader import load_tokenizer, policy_model_info
 from clawray.rlanything.steps import StepContext, step_contexts, step_rm_request
-from clawray.training.evaluate import EVAL_MAX_DIFFICULTY, play_tasks
+from clawray.training.evaluate import EVAL_MAX_DIFFICULTY, balanced, play_tasks
 from clawray.training.rm_sft import (MAX_IMBALANCE, TASK_SEED_OFFSET, collect_steps,
                                      rm_sft_rows, verdict)
 from clawray.training.sft import run_sft, train_sft
@@ -129,8 +129,8 @@ def separation(labels: list[bool], scores: list[float]) -> dict[str, float]:
     p_plus = sum(s > 0 for s in pos) / len(pos)
     p_minus = sum(s < 0 for s in neg) / len(neg)
     auc = sum((a > b) + 0.5 * (a == b) for a in pos for b in neg) / (len(pos) * len(neg))
-    return {"p_plus": p_plus, "p_minus": p_minus, "balanced_acc": (p_plus + p_minus) / 2,
-            "mu": p_plus + p_minus, "auc": auc, "n_plus": len(pos), "n_minus": len(neg)}
+    return {"p_plus": p_plus, "p_minus": p_minus, **balanced(p_plus, p_minus), "auc": auc,
+            "n_plus": len(pos), "n_minus": len(neg)}
 
 
 def sample(contexts: list[StepContext], n: int) -> list[StepContext]:

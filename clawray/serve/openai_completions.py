@@ -100,7 +100,8 @@ def parse_request(raw: bytes) -> tuple[CompletionRequest, dict[str, Any]]:
 
 
 def prompts_of(req: CompletionRequest, tokenizer: Any) -> list[tuple[list[int], str]]:
-    """Each prompt as (ids, text): strings are tokenized without special tokens added."""
+    """Each prompt as (ids, text): strings are tokenized without special tokens added, ids
+    decoded."""
     p = req.prompt
     if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
         items: list[Any] = [p]
@@ -115,7 +116,7 @@ def prompts_of(req: CompletionRequest, tokenizer: Any) -> list[tuple[list[int], 
         if isinstance(item, str):
             out.append((tokenizer.encode(item, add_special_tokens=False), item))
         else:
-            out.append((list(item), None))
+            out.append((list(item), tokenizer.decode(item)))
     return out
 
 
@@ -135,7 +136,7 @@ def to_turn_requests(req: CompletionRequest, session_fields: dict[str, Any],
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             session_fields=dict(session_fields), id_prefix="cmpl-",
-            prompt_ids=ids, prompt_text=text if text is not None else tokenizer.decode(ids)))
+            prompt_ids=ids, prompt_text=text))
     return turns
 
 

@@ -81,11 +81,8 @@ def engine(tiny_model_path):
 
 @pytest.fixture()
 def svc(engine, tiny_tokenizer):
-    sink = ListSink()
-    service = ChatService(tiny_tokenizer, LocalPolicy(engine), "m", 2048,
-                          ServingConfig(max_n=4), sink)
-    service.sink_list = sink
-    return service
+    return ChatService(tiny_tokenizer, LocalPolicy(engine), "m", 2048, ServingConfig(max_n=4),
+                       ListSink())
 
 
 async def chat(svc, body: dict) -> dict:
@@ -127,7 +124,7 @@ async def test_required_tool_choice_always_calls_a_declared_tool(svc, prompt):
         for call in calls:
             validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
     # the record holds the calls as the template writes them: a constrained turn trains alike
-    rec = svc.sink_list.records[-1]
+    rec = svc.sink.records[-1]
     assert rec.tool_calls and "<tool_call>" in svc.tokenizer.decode(rec.response_ids)
 
 

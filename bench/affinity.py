@@ -1,9 +1,11 @@
-"""Session-affine routing, measured: clawray's split layout with two PolicyServer replicas on
-vLLM, OpenClaw sessions replayed turn by turn, with ``serving.session_affinity`` on (the
-default, ``clawray/serve/routing.py``) and off (Serve's default power-of-two routing).
+"""Session-affine routing, measured: two vLLM replicas (split layout: two PolicyServer replicas
+behind one ingress; colocated layout: two ingress replicas behind the Serve proxy), OpenClaw
+sessions replayed turn by turn, with ``serving.session_affinity`` on (the default,
+``clawray/serve/routing.py``) and off (Serve's default power-of-two routing).
 
 ```bash
-.venv/bin/python bench/affinity.py           # ~6 min on 2 cores; bench/results/affinity.json
+.venv/bin/python bench/affinity.py           # ~12 min on 2 cores; bench/results/affinity.json
+.venv/bin/python bench/affinity.py --layouts colocated   # one layout, ~6 min
 ```
 
 Each setup replays ``--sessions`` copies of OpenClaw's session ``s1`` (4 requests of ~18k
@@ -75,6 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sessions", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--layouts", default="split,colocated",
+                   help="split: two PolicyServer replicas behind one ingress; colocated: two "
+                   "ingress replicas (each with its engine) behind the Serve proxy")
     p.add_argument("--out", default=str(BENCH / "results" / "affinity.json"))
     args = p.parse_args(argv)
     from clawray.config import ClawRayConfig
@@ -84,16 +89,24 @@ def main(argv: list[str] | None = None) -> None:
     logdir = Path(tempfile.mkdtemp(prefix="clawray-bench-affinity-"))
     report = {"command": " ".join(["python", *sys.argv]), "sessions": args.sessions,
               "setups": {}}
-    for affinity in (True, False):
+    for layout, affinity in [(lay, on) for lay in args.layouts.split(",")
+                             for on in (True, False)]:
         name = f"affinity-{'on' if affinity else 'off'}"
+        if layout != "split":
+            name = f"{layout}-{name}"
+        replicas = ({"policy_replicas": 2} if layout == "split"
+                    else {"ingress_replicas": 2})
         config = {"model": {"path": model, "served_name": SERVED_NAME},
                   "inference": {"engine": "vllm", "max_running": 8, "kv_cache_gib": 0.5},
-                  "serving": {"layout": "split", "policy_replicas": 2, "replica_num_cpus": 1,
+                  "serving": {"layout": layout, **replicas, "replica_num_cpus": 1,
                               "session_affinity": affinity, "record_sink": ["jsonl"],
                               "records_path": str(logdir / f"{name}.jsonl")}}
         print(f"[{name}] starting", flush=True)
         started = time.perf_counter()
-        servers = start_ray(name, {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}, config, logdir)
+        # split: the one ingress replica's own port; colocated: through the Serve proxy,
+        # which routes between the two ingress replicas by the X-Session-Id header.
+        env = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"} if layout == "split" else {}
+        servers = start_ray(name, env, config, logdir)
         try:
             url = servers.urls.get("direct", servers.urls["proxy"])
             print(f"[{name}] serving after {time.perf_counter() - started:.0f} s", flush=True)

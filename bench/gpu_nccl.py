@@ -8,9 +8,9 @@ writing, never run at all: see docs/vllm.md.
     .venv/bin/python bench/gpu_nccl.py [--model FOLDER] [--rounds 3] [--out FILE]
 
 One clawray app (colocated, one replica, vLLM created with ``weight_transfer: nccl``), a
-learner actor holding the same model on its own GPU and ``VLLMNcclSync.for_app(cfg)``; for
-each round the learner perturbs its weights, broadcasts them and waits until the replica
-serves the new version, while 4 client threads keep streaming requests. Checks: no request
+learner actor holding the same model on its own GPU and ``VLLMNcclSync.for_app(cfg)``, driven
+by the Trainer's own ``WeightPublisher(transport="nccl")``; for each round the learner perturbs
+its weights, broadcasts them and the publisher waits until the replica serves the new version, while 4 client threads keep streaming requests. Checks: no request
 failed, every round ended on the new version, and the replica's prompt log-probs equal the
 learner's afterwards. Reports sync seconds per round and bytes.
 """
@@ -47,18 +47,19 @@ class NcclLearner:
         self.model = AutoModelForCausalLM.from_pretrained(model_path).cuda().eval()
         self.sync = VLLMNcclSync.for_app(ClawRayConfig.from_dict(cfg))
 
-    def round(self, version: int, seed: int, timeout_s: float) -> dict:
+    def perturb(self, seed: int) -> None:
         g = torch.Generator(device="cuda").manual_seed(seed)
         with torch.no_grad():
             for p in self.model.parameters():
                 p.add_(torch.randn(p.shape, generator=g, device="cuda", dtype=p.dtype) * 0.02)
-        started = time.perf_counter()
+
+    def send_nccl(self, version: int, app: str, ranks_per_replica: int) -> dict:
+        """What the Trainer's learner rank 0 does (LearnerWorker.send_nccl)."""
+        assert (app, ranks_per_replica) == (self.sync.app_name, self.sync.ranks_per_replica)
         self.sync.prepare(version)
-        sent = self.sync.send(self.model.state_dict(), version)
-        info = self.sync.finalize(version, timeout_s)
-        return {"version": version, "seconds": time.perf_counter() - started,
-                "send_seconds": sent["seconds"], "bytes": sent["bytes"],
-                "replicas": info["replicas"]}
+        sent = self.sync.send({k: v.detach() for k, v in self.model.state_dict().items()},
+                              version)
+        return {"kind": "nccl", "bytes": int(sent["bytes"]), "seconds": float(sent["seconds"])}
 
     def logprobs(self) -> list[float]:
         with torch.no_grad():
@@ -88,12 +89,13 @@ def main() -> int:
     from clawray.config import ClawRayConfig
     from clawray.models.loader import policy_model_info
     from clawray.serve.app import build_app
+    from clawray.weights.publisher import WeightPublisher
 
     cfg = (ClawRayConfig().model(path=args.model, device="cuda", dtype="auto")
            .inference(engine="vllm", weight_transfer="nccl", gpu_memory_utilization=0.5)
            .serving(api_keys=[KEY], record_sink=["jsonl"], replica_num_gpus=1,
                     records_path=f"/tmp/{APP}-turns.jsonl", default_max_tokens=16)
-           .training(app=APP))
+           .training(app=APP, learner_num_gpus=1))
     model_path = str(policy_model_info(cfg).path)
     ray.init(address="local", include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 8765})
@@ -117,10 +119,25 @@ def main() -> int:
     threads = [threading.Thread(target=load, args=(w,), daemon=True) for w in range(4)]
     for t in threads:
         t.start()
+    class RankZero:  # the LearnerGroup interface the Trainer's WeightPublisher drives
+        def send_nccl(self, version: int, app: str, ranks: int) -> dict:
+            return ray.get(learner.send_nccl.remote(version, app, ranks))
+
+        def set_version(self, version: int) -> None:
+            pass
+
+    publisher = WeightPublisher(APP, lora=False, timeout_s=args.timeout_s, transport="nccl",
+                                ranks_per_replica=cfg.inference_cfg.tensor_parallel_size)
+    publisher.attach(RankZero())
     rounds = []
     try:
         for i in range(args.rounds):
-            rounds.append(ray.get(learner.round.remote(i + 1, 100 + i, args.timeout_s)))
+            ray.get(learner.perturb.remote(100 + i))
+            started = time.perf_counter()
+            info = publisher.publish()
+            rounds.append({"version": info["version"], "seconds": time.perf_counter() - started,
+                           "send_seconds": info["send_s"], "bytes": info["bytes"],
+                           "replicas": info["replicas"]})
             print(f"gpu_nccl: round {i + 1}: {rounds[-1]['seconds']:.3f} s, "
                   f"{rounds[-1]['bytes'] / 1e6:.1f} MB", flush=True)
     finally:

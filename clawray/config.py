@@ -120,8 +120,10 @@ class ServingConfig(_Section):
     ingress_replicas: int = Field(1, ge=1)
     policy_replicas: int = Field(1, ge=1)
     session_affinity: bool = Field(
-        True, description="split layout: a session's turns go to one PolicyServer replica "
-        "(its prefix cache is warm there; clawray/serve/routing.py).")
+        True, description="A session's turns go to one replica (its prefix cache is warm "
+        "there; clawray/serve/routing.py): split layout, to one PolicyServer replica by the "
+        "session the ingress resolved; colocated layout, to one ingress replica by the session "
+        "header the Serve proxy reads (X-Session-Id, or RAY_SERVE_SESSION_ID_HEADER_KEY).")
     max_ongoing_requests: int = Field(512, ge=1)
     replica_num_cpus: float = Field(1.0, ge=0)
     replica_num_gpus: float = Field(0.0, ge=0)
@@ -588,6 +590,17 @@ class ClawRayConfig(_Section):
             problems.append(f"training.lora_rank={lora_rank} needs inference.max_lora_rank >= "
                             f"{lora_rank} with vLLM (it serves the adapters; now "
                             f"{inf.max_lora_rank})")
+        if inf.weight_transfer == "nccl":
+            if inf.engine not in ("vllm", "auto"):
+                problems.append(f"inference.weight_transfer='nccl' needs vLLM replicas, not "
+                                f"inference.engine={inf.engine!r}")
+            if lora_rank:
+                problems.append("inference.weight_transfer='nccl' broadcasts full weights: "
+                                "train without training.lora_rank, or use weight_transfer "
+                                "'files' (adapters load as vLLM LoRA adapters)")
+            if not self.training_cfg.learner_num_gpus:
+                problems.append("inference.weight_transfer='nccl' broadcasts from the learner's "
+                                "GPU: set training.learner_num_gpus (e.g. 1)")
         if inf.engine == "vllm" and m.dtype == "float16" and m.device == "cpu":
             problems.append("vLLM on CPU serves float32 or bfloat16, not model.dtype='float16'")
         try:

@@ -47,6 +47,7 @@ class LearnerWorker:
         self.model_path = model_path
         self.cfg = TrainingConfig.model_validate(training)
         self.rank, self.world_size = rank, world_size
+        self._nccl: Any = None  # rank 0's VLLMNcclSync, once the NCCL sync is used
         self.core: LearnerCore | None = None
 
     def rendezvous(self) -> tuple[str, int]:
@@ -87,6 +88,24 @@ class LearnerWorker:
         ref = ray.put(payload)
         return {"kind": kind, "payload": [ref], "bytes": nbytes,
                 "seconds": time.perf_counter() - started}
+
+    def send_nccl(self, version: int, app: str, ranks_per_replica: int) -> dict[str, Any]:
+        """Broadcast this rank's weights as ``version`` into ``app``'s vLLM replicas over NCCL
+        (rank 0 is the group's sender; other ranks only join a ZeRO-3 gather). The sync object
+        lives on rank 0 between rounds: its NCCL group is reused while the replicas stay."""
+        from clawray.weights.nccl import VLLMNcclSync
+
+        kind, state = self._core().sync_payload(on_device=True)
+        self._core().policy_version = version
+        if self.rank != 0:
+            return {}
+        if kind != "full":
+            raise RuntimeError("the NCCL weight sync sends full weights, not LoRA adapters")
+        if self._nccl is None or self._nccl.app_name != app:
+            self._nccl = VLLMNcclSync(app, ranks_per_replica=ranks_per_replica)
+        self._nccl.prepare(version)
+        sent = self._nccl.send(state, version)
+        return {"kind": "nccl", "bytes": int(sent["bytes"]), "seconds": float(sent["seconds"])}
 
     def set_version(self, version: int) -> None:
         self._core().policy_version = version
@@ -177,6 +196,14 @@ class LearnerGroup:
         states = ray.get([w.load.remote(str(path)) for w in self.workers])
         self.policy_version = int(states[0]["policy_version"])
         return states[0]
+
+    def send_nccl(self, version: int, app: str, ranks_per_replica: int = 1) -> dict[str, Any]:
+        """Rank 0 broadcasts its weights into ``app``'s vLLM replicas as ``version`` over NCCL
+        (``clawray/weights/nccl.py``); ``{"kind": "nccl", "bytes", "seconds"}``."""
+        info = ray.get([w.send_nccl.remote(version, app, ranks_per_replica)
+                        for w in self.workers])[0]
+        self.policy_version = version
+        return info
 
     def set_version(self, version: int) -> None:
         ray.get([w.set_version.remote(version) for w in self.workers])

@@ -273,10 +273,12 @@ class LearnerCore:
 
     # ---------------------------------------------------------------- weights, checkpoints
 
-    def sync_payload(self) -> tuple[str, dict[str, Any]]:
+    def sync_payload(self, on_device: bool = False) -> tuple[str, dict[str, Any]]:
         """What serving needs: ``("full", state dict)`` or ``("lora", adapter payload)``.
 
         Collective under ZeRO-3 (every rank must call); the result matters on rank 0 only.
+        The full state is a CPU copy, or with ``on_device`` the module's own tensors where they
+        are (the NCCL sync broadcasts them from the GPU; not valid after the next update).
         """
         if self.lora:
             return "lora", lora_payload(self.module)
@@ -288,6 +290,8 @@ class LearnerCore:
         with ctx:
             if self.rank != 0:
                 return "full", {}
+            if on_device and self.cfg.zero_stage != 3:  # gathered ZeRO-3 tensors do not last
+                return "full", {k: v.detach() for k, v in self.module.state_dict().items()}
             return "full", {k: v.detach().to("cpu", copy=True)
                             for k, v in self.module.state_dict().items()}
 

@@ -74,8 +74,12 @@ def build_app(args: dict[str, Any] | ClawRayConfig | None = None) -> Application
     check_teacher_tokenizer(cfg)
     data = deployment_args(cfg)
     actor = {"num_cpus": s.replica_num_cpus, "num_gpus": s.replica_num_gpus}
+    affine = {}
+    if s.session_affinity:  # a session's turns go to the replica that has its prefix
+        affine["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
     ingress = Ingress.options(num_replicas=s.ingress_replicas,
-                              max_ongoing_requests=s.max_ongoing_requests)
+                              max_ongoing_requests=s.max_ongoing_requests,
+                              **(affine if s.layout == "colocated" else {}))
     judge = None
     live_judge = cfg.judge_cfg.backend == "server" and "hub" in s.record_sink
     step_rm = (cfg.training_cfg.mode == "rlanything"
@@ -85,10 +89,7 @@ def build_app(args: dict[str, Any] | ClawRayConfig | None = None) -> Application
         judge = JudgeServer.options(ray_actor_options=actor).bind(data)
     if s.layout == "colocated":
         return ingress.options(ray_actor_options=actor).bind(data, None, judge)
-    routing = {}
-    if s.session_affinity:  # a session's turns go to the replica that has its prefix
-        routing["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
     policy = PolicyServer.options(num_replicas=s.policy_replicas,
                                   max_ongoing_requests=s.max_ongoing_requests,
-                                  ray_actor_options=actor, **routing)
+                                  ray_actor_options=actor, **affine)
     return ingress.options(ray_actor_options={"num_cpus": 0}).bind(data, policy.bind(data), judge)

@@ -1,4 +1,4 @@
-"""Session-affine routing to PolicyServer replicas (the ``split`` layout).
+"""Session-affine routing: a session's turns go to the replica that has its prefix cached.
 
 An agent session resends its whole history on every turn; only the replica that served the
 previous turn has it in its prefix cache. ``SessionAffinityRouter`` is a Ray Serve request
@@ -10,9 +10,18 @@ move). The preferred replica is the first rank; when it is full, Serve falls thr
 next ranks, so affinity never makes a request wait for one busy replica. Requests without a
 key go to the least-loaded of all replicas.
 
-The ingress passes the session key it already resolved for the turn (``X-Session-Id``,
-OpenClaw's ``session_id`` / ``x-session-affinity`` headers, ``prompt_cache_key``, or the
-derived key; ``clawray/serve/session_meta.py``).
+Two places use it:
+
+* ``split`` layout, Ingress → PolicyServer replicas: the ingress passes the session key it
+  already resolved for the turn (``X-Session-Id``, OpenClaw's ``session_id`` /
+  ``x-session-affinity`` headers, ``prompt_cache_key``, or the derived key;
+  ``clawray/serve/session_meta.py``) as the ``session_key`` keyword argument.
+* ``colocated`` layout with several ingress replicas (each runs its own engine), Serve proxy →
+  Ingress: the proxy cannot read bodies, so the key is the session header the proxy itself
+  reads into the request's ``session_id`` metadata: Ray Serve's session header,
+  ``x-session-id`` (clawray's own ``X-Session-Id``), or whichever header
+  ``RAY_SERVE_SESSION_ID_HEADER_KEY`` names when Ray starts (``x-session-affinity`` for
+  OpenClaw's session-affinity option). Requests without it are balanced by load.
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ def session_key_of(pending_request: PendingRequest | None) -> str | None:
     if pending_request is None:
         return None
     key: Any = (pending_request.kwargs or {}).get(SESSION_KWARG)
+    if not (isinstance(key, str) and key):  # through the Serve proxy: its session header
+        key = getattr(getattr(pending_request, "metadata", None), "session_id", None)
     return key if isinstance(key, str) and key else None
 
 

@@ -47,6 +47,7 @@ from clawray.rlanything.loop import RLAnythingLoop
 from clawray.rollout.runner import EnvRunnerGroup
 from clawray.serve.app import build_app
 from clawray.sessions.pipeline import start_live_pipeline
+from clawray.weights.nccl import check_nccl_available
 from clawray.weights.publisher import WeightPublisher
 
 logger = logging.getLogger(__name__)
@@ -117,11 +118,17 @@ class Trainer(tune.Trainable):
         self.cfg = ClawRayConfig.from_dict(config).validate()
         t = self.cfg.training_cfg
         self.app = t.app
+        inf = self.cfg.inference_cfg
+        nccl = inf.weight_transfer == "nccl"  # vLLM replicas created for NCCL (GPU)
+        if nccl:
+            check_nccl_available()  # before anything starts: a clear error without CUDA/vLLM
         self._ensure_app()
         self.pipeline = start_live_pipeline(self.cfg, self.app)
         self.publisher = WeightPublisher(self.app, lora=bool(t.lora_rank),
                                          timeout_s=t.sync_timeout_s,
-                                         followers=[self.pipeline.buffer])
+                                         followers=[self.pipeline.buffer],
+                                         transport="nccl" if nccl else "object_store",
+                                         ranks_per_replica=inf.tensor_parallel_size)
         self.learner = LearnerGroup(policy_model_info(self.cfg).path, t)
         self.publisher.attach(self.learner)
         self.envs = None

@@ -12,6 +12,11 @@ the same class.
 At start the publisher takes its place in the sequence the replicas already serve (versions
 never go back), and refuses LoRA publishing onto replicas that serve fully trained weights:
 they would merge adapters into weights that are not the learner's base model.
+
+With ``transport="nccl"`` (``inference.weight_transfer: nccl``: vLLM replicas created with
+vLLM's NCCL weight-transfer engine, GPU only) the learner's rank 0 broadcasts its weights
+itself (``LearnerGroup.send_nccl``: ``VLLMNcclSync`` in ``clawray/weights/nccl.py``) and the
+publisher waits for the replicas the same way; nothing goes through the object store.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 import ray
 
 from clawray.weights.control import start_app_control
+from clawray.weights.nccl import check_nccl_available
 from clawray.weights.sync import WeightSync, make_weight_sync
 
 
@@ -35,13 +41,25 @@ class WeightPublisher:
     """
 
     def __init__(self, channel: str, *, lora: bool, timeout_s: float = 120.0,
-                 followers: Sequence[Any] = ()) -> None:
+                 followers: Sequence[Any] = (), transport: str = "object_store",
+                 ranks_per_replica: int = 1) -> None:
         self.channel = channel
         self.learner: Any = None
         self.timeout_s = timeout_s
         self.followers = list(followers)
+        self.ranks_per_replica = ranks_per_replica
+        if transport == "nccl":
+            if lora:
+                raise ValueError("the NCCL weight sync sends full weights, not LoRA adapters")
+            check_nccl_available()  # before any learner is placed: a clear error on CPU
+            kind = "nccl"
+        elif transport == "object_store":
+            kind = "lora" if lora else "object_store"
+        else:
+            raise ValueError(f"unknown weight transport {transport!r}: 'object_store' (the "
+                             "replicas fetch from Ray's object store) or 'nccl' (vLLM, GPU)")
         self.control = start_app_control(channel)
-        self.sync: WeightSync = make_weight_sync("lora" if lora else "object_store", channel)
+        self.sync: WeightSync = make_weight_sync(kind, channel)
         status = self.status()
         published = int(status["version"])
         if lora and published and status.get("kind") != "lora":
@@ -67,6 +85,12 @@ class WeightPublisher:
         """Send the learner's weights as version + 1 and wait until every live replica serves
         them; returns the round's replicas, bytes and timings."""
         version = self.version + 1
+        if self.sync.kind == "nccl":  # rank 0 checks, broadcasts from its GPU; replicas join
+            sent = self.learner.send_nccl(version, self.channel, self.ranks_per_replica)
+            info = self.sync.finalize(version, self.timeout_s)
+            info.update(bytes=sent["bytes"], send_s=sent["seconds"],
+                        seconds=sent["seconds"] + info["apply_s"])
+            return self._published(version, info)
         self.sync.prepare(version)
         sent = self.learner.put_weights(version)
         if sent.get("kind") != self.sync.kind:
@@ -74,7 +98,9 @@ class WeightPublisher:
                                f"{self.sync.kind!r} channel")
         self.sync.publish_ref(version, sent["payload"], int(sent["bytes"]),
                               float(sent["seconds"]))
-        info = self.sync.finalize(version, self.timeout_s)
+        return self._published(version, self.sync.finalize(version, self.timeout_s))
+
+    def _published(self, version: int, info: dict[str, Any]) -> dict[str, Any]:
         self.version = version
         if self.followers:
             ray.get([f.set_policy_version.remote(version) for f in self.followers])

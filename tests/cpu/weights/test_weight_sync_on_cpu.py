@@ -259,6 +259,49 @@ def test_wait_replicas_names_a_replica_that_does_not_catch_up(ray_cluster):
     ray.kill(control)
 
 
+class _NcclRankZero:
+    """Stands in for LearnerGroup on the NCCL path: its rank 0 "broadcasts" by having the
+    replica report the version, as a replica's WeightReceiver does after update_weights."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, str, int]] = []
+        self.version = 0
+
+    def send_nccl(self, version: int, app: str, ranks_per_replica: int) -> dict:
+        self.calls.append((version, app, ranks_per_replica))
+        ray.get(get_app_control(app).report.remote("replica#1", version))
+        return {"kind": "nccl", "bytes": 1234, "seconds": 0.01}
+
+    def put_weights(self, version: int) -> dict:
+        raise AssertionError("the NCCL path must not go through the object store")
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+
+def test_the_trainers_publisher_sends_nccl_rounds_through_learner_rank_zero(
+        ray_cluster, monkeypatch):
+    # The Trainer publishes with transport="nccl" when inference.weight_transfer is nccl.
+    # The broadcast itself needs CUDA (bench/gpu_nccl.py); this checks the round around it.
+    import clawray.weights.publisher as publisher
+
+    monkeypatch.setattr(publisher, "check_nccl_available", lambda: None)
+    app = f"nccl-{uuid.uuid4().hex[:6]}"
+    pub = publisher.WeightPublisher(app, lora=False, transport="nccl", ranks_per_replica=2,
+                                    timeout_s=10)
+    assert pub.sync.kind == "nccl"
+    control = get_app_control(app)
+    ray.get(control.report.remote("replica#1", 0))  # a live vLLM replica on version 0
+    learner = _NcclRankZero()
+    pub.attach(learner)
+    for version in (1, 2):
+        info = pub.publish()
+        assert info["version"] == version and info["replicas"] == {"replica#1": version}
+        assert info["bytes"] == 1234 and info["send_s"] == 0.01
+    assert learner.calls == [(1, app, 2), (2, app, 2)] and pub.version == 2
+    ray.kill(control)
+
+
 def test_collecting_off_keeps_serving_but_sends_nothing_to_the_hub(served):
     client = openai.OpenAI(base_url=served.base_url, api_key=served.api_key, max_retries=0)
     handle = served.handle()

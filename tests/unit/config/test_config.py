@@ -136,3 +136,17 @@ def test_env_training_needs_runners_and_new_sections_reject_typos():
         ClawRayConfig().curriculum(sampler="random")
     cfg = ClawRayConfig().sft(steps=3).curriculum(sampler="accuracy_band")
     assert ClawRayConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_nccl_weight_transfer_needs_vllm_full_weights_and_a_learner_gpu():
+    from clawray.config import ClawRayConfig
+
+    ok = (ClawRayConfig().inference(engine="vllm", weight_transfer="nccl")
+          .training(learner_num_gpus=1))
+    assert ok.validate() is ok
+    with pytest.raises(ValueError, match="needs vLLM replicas, not inference.engine='hf'"):
+        ok.copy_with(inference={"engine": "hf"}).validate()
+    with pytest.raises(ValueError, match="broadcasts full weights.*lora_rank"):
+        ok.copy_with(training={"lora_rank": 8}, inference={"max_lora_rank": 8}).validate()
+    with pytest.raises(ValueError, match="learner's GPU: set training.learner_num_gpus"):
+        ok.copy_with(training={"learner_num_gpus": 0}).validate()

@@ -55,3 +55,17 @@ def test_the_router_ranks_the_sessions_replica_first_then_the_rest():
     assert plain == [replicas]
     assert session_key_of(None) is None and session_key_of(SimpleNamespace(kwargs={
         SESSION_KWARG: ""})) is None
+
+
+def test_through_the_serve_proxy_the_key_is_the_session_header_it_read():
+    # Colocated layout: the proxy puts its session header (x-session-id by default) into the
+    # request metadata; the ingress's own resolved key (split layout) takes precedence.
+    replicas = [_replica(r) for r in REPLICAS]
+    via_proxy = SimpleNamespace(kwargs={}, metadata=SimpleNamespace(session_id="s7"))
+    assert session_key_of(via_proxy) == "s7"
+    ranks = asyncio.run(SessionAffinityRouter.choose_replicas(None, replicas, via_proxy))
+    assert [r.replica_id.unique_id for r in ranks[0]] == rendezvous_order("s7", REPLICAS)[:1]
+    both = SimpleNamespace(kwargs={SESSION_KWARG: "s1"}, metadata=SimpleNamespace(session_id="s7"))
+    assert session_key_of(both) == "s1"
+    assert session_key_of(SimpleNamespace(kwargs={}, metadata=SimpleNamespace(session_id=""))) \
+        is None

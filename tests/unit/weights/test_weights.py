@@ -201,3 +201,18 @@ def test_nccl_sync_for_an_app_takes_its_ranks_from_tensor_parallelism():
         VLLMNcclSync.for_app(ClawRayConfig().inference(engine="vllm"))
     with pytest.raises(ValueError, match="engine 'hf'"):
         VLLMNcclSync.for_app(ClawRayConfig().inference(engine="hf", weight_transfer="nccl"))
+
+
+def test_the_publisher_refuses_nccl_where_it_cannot_run_before_starting_anything():
+    from clawray.weights.nccl import VLLMUnavailableError
+    from clawray.weights.publisher import WeightPublisher
+
+    with pytest.raises(ValueError, match="unknown weight transport 'rsync'"):
+        WeightPublisher("app", lora=False, transport="rsync")
+    with pytest.raises(ValueError, match="full weights, not LoRA"):
+        WeightPublisher("app", lora=True, transport="nccl")
+    if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available():
+        pytest.skip("a CUDA machine with vLLM: bench/gpu_nccl.py runs the NCCL publisher there")
+    # no Ray here: the check comes before the control actor is created
+    with pytest.raises(VLLMUnavailableError):
+        WeightPublisher("app", lora=False, transport="nccl")

@@ -259,6 +259,10 @@ class IngressCore:
         return {"model": self.info.name, "engine": st.engine, "policy_version": st.policy_version,
                 "running": st.running, "waiting": st.waiting, "paused": st.paused,
                 "max_model_len": st.max_model_len, "collecting": self.collecting(),
+                # colocated: requests per session key this replica served (split: on the
+                # PolicyServer replicas' status)
+                "sessions": st.extra.get("sessions", {}) if self.core is not None else {},
+                "replica": self.receiver.replica_id if self.receiver is not None else None,
                 # seconds of the engine's warm-up request at replica start (colocated layout)
                 "warm_up_s": self.core.warm_up_s if self.core is not None else None}
 

@@ -37,22 +37,44 @@ def load_policy_engine(cfg: ClawRayConfig) -> tuple[Engine, ModelInfo]:
     return engine, info
 
 
+class SessionCounts:
+    """Requests per session key this replica served (a bounded view, for status and the
+    session-affinity tests: a session's turns should all be on one replica)."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def seen(self, session_key: str | None) -> None:
+        if session_key:
+            self.counts[session_key] += 1
+            if len(self.counts) > 10_000:  # drop the rarest half
+                self.counts = collections.Counter(dict(self.counts.most_common(5_000)))
+
+    def top(self, n: int = 100) -> dict[str, int]:
+        return dict(self.counts.most_common(n))
+
+
 class LocalPolicy:
-    """The engine in this process."""
+    """The engine in this process (the colocated layout)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.sessions = SessionCounts()
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        session_key: str | None = None) -> list[TokenOutput]:
+        self.sessions.seen(session_key)
         return await self.engine.generate(prompt_ids, params)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams,
                session_key: str | None = None) -> AsyncIterator[TokenDelta]:
+        self.sessions.seen(session_key)
         return self.engine.generate_stream(prompt_ids, params)
 
     async def status(self) -> EngineStatus:
-        return await self.engine.status()
+        status = await self.engine.status()
+        status.extra["sessions"] = self.sessions.top()
+        return status
 
 
 class HandlePolicy:
@@ -86,7 +108,7 @@ class PolicyCore:
     def __init__(self, cfg: ClawRayConfig) -> None:
         self.engine, self.info = load_policy_engine(cfg)
         self.receiver: WeightReceiver | None = start_receiver(self.engine)
-        self.sessions: collections.Counter[str] = collections.Counter()  # requests per session
+        self.sessions = SessionCounts()
         self.warm_up_s: float | None = None  # set by warm_up (Serve replicas, before traffic)
 
     async def warm_up(self) -> float:
@@ -100,20 +122,14 @@ class PolicyCore:
         logger.info("engine warmed up in %.2f s", seconds)
         return seconds
 
-    def _seen(self, session_key: str | None) -> None:
-        if session_key:
-            self.sessions[session_key] += 1
-            if len(self.sessions) > 10_000:  # a bounded view: drop the rarest half
-                self.sessions = collections.Counter(dict(self.sessions.most_common(5_000)))
-
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        session_key: str | None = None) -> list[TokenOutput]:
-        self._seen(session_key)
+        self.sessions.seen(session_key)
         return await self.engine.generate(prompt_ids, params)
 
     async def generate_stream(self, prompt_ids: list[int], params: SamplingParams,
                               session_key: str | None = None) -> AsyncIterator[TokenDelta]:
-        self._seen(session_key)
+        self.sessions.seen(session_key)
         async for delta in self.engine.generate_stream(prompt_ids, params):
             yield delta
 
@@ -127,7 +143,7 @@ class PolicyCore:
         status = await self.engine.status()
         if self.receiver is not None:
             status.extra["replica"] = self.receiver.replica_id
-        status.extra["sessions"] = dict(self.sessions.most_common(100))
+        status.extra["sessions"] = self.sessions.top()
         return status
 
     async def pause(self) -> None:

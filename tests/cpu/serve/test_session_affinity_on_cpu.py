@@ -1,7 +1,10 @@
-"""Session-affine routing on a real Serve app: the split layout with two PolicyServer
-replicas sends every turn of a session to one replica (clawray/serve/routing.py)."""
+"""Session-affine routing on a real Serve app (clawray/serve/routing.py): the split layout with
+two PolicyServer replicas, and the colocated layout with two ingress replicas behind the Serve
+proxy, send every turn of a session to one replica."""
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import openai
 import pytest
@@ -9,44 +12,84 @@ import pytest
 from tests.support.common import API_KEY
 
 pytestmark = pytest.mark.ray
-APP = "affinity"
+SESSIONS = 12
+TURNS = 3
+
+
+def check_sessions_stay_on_one_replica(served, app: str, prefix: str, status: Callable[[Any], Any],
+                                       replica_sessions: Callable[[Any], tuple[str, dict]]):
+    """Replay ``SESSIONS`` sessions of ``TURNS`` turns through the Serve proxy with
+    X-Session-Id, then read each replica's served sessions from its status (``status(handle)``
+    → a response; ``replica_sessions(result)`` → (replica id, {session key: requests}))."""
+    from ray import serve
+
+    from clawray.records import session_key
+    from clawray.serve.auth import tenant_of_key
+
+    client = openai.OpenAI(base_url=served.base_url.replace("/v1", f"/{app}/v1"),
+                           api_key=API_KEY, max_retries=0)
+    sessions = [f"{prefix}-{i}" for i in range(SESSIONS)]
+    for turn in range(TURNS):
+        for sid in sessions:
+            client.chat.completions.create(
+                model=served.model, max_tokens=2, extra_headers={"X-Session-Id": sid},
+                messages=[{"role": "user", "content": f"turn {turn} of {sid}"}])
+    seen: dict[str, dict[str, int]] = {}
+    for _ in range(10):  # status calls carry no session: they reach either replica
+        for response in [status(serve) for _ in range(16)]:
+            rid, counts = replica_sessions(response.result())
+            seen[rid] = counts
+        if len(seen) == 2:
+            break
+    assert len(seen) == 2, seen
+    for sid in sessions:
+        key = session_key(tenant_of_key(API_KEY), None, sid)  # routed per tenant's session
+        holders = {rid: counts[key] for rid, counts in seen.items() if key in counts}
+        assert list(holders.values()) == [TURNS], (sid, seen)
+    assert all(seen.values())  # the sessions are spread, not all on one replica
 
 
 def test_every_turn_of_a_session_lands_on_one_policy_replica(served, tmp_path_factory):
     from ray import serve
 
     from clawray.config import ClawRayConfig
-    from clawray.records import session_key
     from clawray.serve.app import build_app
-    from clawray.serve.auth import tenant_of_key
 
+    app = "affinity"
     cfg = ClawRayConfig().serving(
         api_keys=[API_KEY], record_sink=["jsonl"], layout="split", policy_replicas=2,
         replica_num_cpus=0.5, default_max_tokens=2,
-        records_path=str(tmp_path_factory.mktemp(APP) / "turns.jsonl"))
-    serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
+        records_path=str(tmp_path_factory.mktemp(app) / "turns.jsonl"))
+    serve.run(build_app(cfg), name=app, route_prefix=f"/{app}")
     try:
-        client = openai.OpenAI(base_url=served.base_url.replace("/v1", f"/{APP}/v1"),
-                               api_key=API_KEY, max_retries=0)
-        sessions = [f"aff-{i}" for i in range(12)]
-        for turn in range(3):
-            for sid in sessions:
-                client.chat.completions.create(
-                    model=served.model, max_tokens=2, extra_headers={"X-Session-Id": sid},
-                    messages=[{"role": "user", "content": f"turn {turn} of {sid}"}])
-        handle = serve.get_deployment_handle("PolicyServer", app_name=APP)
-        seen: dict[str, dict[str, int]] = {}
-        for _ in range(10):  # status calls carry no session: they reach either replica
-            for response in [handle.status.remote() for _ in range(16)]:
-                st = response.result()
-                seen[st.extra["replica"]] = st.extra["sessions"]
-            if len(seen) == 2:
-                break
-        assert len(seen) == 2, seen
-        for sid in sessions:
-            key = session_key(tenant_of_key(API_KEY), None, sid)  # routed per tenant's session
-            holders = {rid: counts[key] for rid, counts in seen.items() if key in counts}
-            assert list(holders.values()) == [3], (sid, seen)
-        assert all(seen.values())  # 12 sessions are spread, not all on one replica
+        check_sessions_stay_on_one_replica(
+            served, app, "aff",
+            lambda s: s.get_deployment_handle("PolicyServer", app_name=app).status.remote(),
+            lambda st: (st.extra["replica"], st.extra["sessions"]))
     finally:
-        serve.delete(APP)
+        serve.delete(app)
+
+
+def test_colocated_replicas_keep_a_session_by_the_header_the_serve_proxy_reads(
+        served, tmp_path_factory):
+    # Two ingress replicas, each with its own engine (a fixed-latency one: routing is the
+    # subject, not generation), requests through the Serve proxy with X-Session-Id.
+    # Measured with affinity off: sessions split over both replicas ([1, 2] turns).
+    from ray import serve
+
+    from clawray.config import ClawRayConfig
+    from clawray.serve.app import build_app
+
+    app = "affinity-colocated"
+    cfg = (ClawRayConfig().inference(engine="fixed_latency", fixed_latency_s=0.001)
+           .serving(api_keys=[API_KEY], record_sink=["jsonl"], ingress_replicas=2,
+                    replica_num_cpus=0.25, default_max_tokens=2,
+                    records_path=str(tmp_path_factory.mktemp(app) / "turns.jsonl")))
+    serve.run(build_app(cfg), name=app, route_prefix=f"/{app}")
+    try:
+        check_sessions_stay_on_one_replica(
+            served, app, "col",
+            lambda s: s.get_deployment_handle("Ingress", app_name=app).status.remote(),
+            lambda st: (st["replica"], st["sessions"]))
+    finally:
+        serve.delete(app)

@@ -59,6 +59,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from clawray.apps.demo import run_demo
 
     cfg = _config(args)
+    if args.seeds:
+        from clawray.apps.demo import run_demo_seeds
+
+        return run_demo_seeds(cfg, Path(args.out), args.seeds, iterations=args.iterations,
+                              users=args.users)
     return run_demo(cfg, Path(args.out), iterations=args.iterations, users=args.users,
                     seed=args.seed)
 
@@ -249,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--iterations", type=int, default=ITERATIONS)
             p.add_argument("--users", type=int, default=USERS)
             p.add_argument("--seed", type=int, default=SEED)
+            p.add_argument("--seeds", type=int, nargs="+",
+                           help="one run per seed (OUT/seed<k>, fresh weights each), then "
+                                "their mean ± standard error (OUT/demo_seeds.json, .png)")
         p.set_defaults(fn=fn)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -36,6 +36,7 @@ from clawray.training.trainer import Trainer
 ITERATIONS = 40
 USERS = 8
 EVAL_N = 150
+EVAL_POOL = "test"  # held-out requests (clawray/sim/users.py POOLS): no training user sends them
 SEED = 0
 
 
@@ -115,11 +116,13 @@ class UserPool:
 def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, out: Path, *,
                  iterations: int, users: int, eval_n: int, seed: int,
                  log: Any = print) -> dict[str, Any]:
-    """Evaluate, train from simulated live users, evaluate again; return the summary."""
+    """Evaluate on the held-out prompt pool, train from simulated live users (who send the
+    training pool's requests), evaluate again; return the summary."""
     started = time.monotonic()
-    before = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed))
+    before = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed, pool=EVAL_POOL))
     log(f"clawray demo: before training, the users' preference is met by {before.rate:.1%} "
-        f"of replies ({before.n} evaluation requests, policy v{max(before.policy_versions)})")
+        f"of replies ({before.n} held-out evaluation requests, policy "
+        f"v{max(before.policy_versions)})")
     trainer = Trainer(config=cfg.to_dict())
     pool = UserPool(base_url, api_key, model, users, seed, out / "interactions.jsonl").start()
     results = []
@@ -136,11 +139,12 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
     finally:
         pool.stop()
         trainer.stop()
-    after = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed))
+    after = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed, pool=EVAL_POOL))
     log(f"clawray demo: after {iterations} steps, {after.rate:.1%} "
         f"(policy v{max(after.policy_versions)}; before: {before.rate:.1%})")
     summary = {
         "seed": seed, "iterations": iterations, "users": users,
+        "train_pool": "train", "eval_pool": EVAL_POOL,
         "before": {"rate": before.rate, "n": before.n, "per_type": before.per_type,
                    "policy_versions": before.policy_versions},
         "after": {"rate": after.rate, "n": after.n, "per_type": after.per_type,
@@ -201,8 +205,77 @@ def run_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS, users:
     summary = run_learning(cfg, base_url, keys[0] if keys else "none", model, out,
                            iterations=iterations, users=users, eval_n=eval_n, seed=seed)
     print(f"clawray demo: satisfaction {summary['before']['rate']:.1%} → "
-          f"{summary['after']['rate']:.1%} on {summary['after']['n']} evaluation requests; "
+          f"{summary['after']['rate']:.1%} on {summary['after']['n']} held-out evaluation "
+          f"requests (prompt pool '{EVAL_POOL}', never sent by the training users); "
           f"plot {out / 'progress.png'}, summary {out / 'summary.json'} "
           f"({time.monotonic() - t0:.0f} s in all)")
     ok = summary["after"]["rate"] > summary["before"]["rate"] and not summary["user_errors"]
     return 0 if ok else 1
+
+
+def aggregate_demo_seeds(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several seeds' ``summary.json``: per seed before, after and the rise on the held-out
+    pool; over seeds their mean and standard error (n - 1 in the variance)."""
+    import numpy as np
+
+    per_seed = [{"seed": s["seed"], "before": s["before"]["rate"], "after": s["after"]["rate"],
+                 "rise": s["after"]["rate"] - s["before"]["rate"], "n": s["after"]["n"],
+                 "per_type_before": s["before"]["per_type"],
+                 "per_type_after": s["after"]["per_type"]} for s in summaries]
+
+    def stat(key: str) -> dict[str, float | None]:
+        v = np.asarray([p[key] for p in per_seed], dtype=float)
+        return {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max()),
+                "stderr": float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else None}
+
+    return {"seeds": per_seed, "runs": len(per_seed), "before": stat("before"),
+            "after": stat("after"), "rise": stat("rise"),
+            "rose_in": sum(p["rise"] > 0 for p in per_seed),
+            "eval_pool": summaries[0].get("eval_pool"), "iterations": summaries[0]["iterations"],
+            "users": summaries[0]["users"]}
+
+
+def plot_demo_seeds(agg: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for p in agg["seeds"]:
+        ax.plot([0, 1], [p["before"], p["after"]], "o-", color="grey", alpha=0.6)
+        ax.annotate(f"seed {p['seed']}", (1, p["after"]), textcoords="offset points",
+                    xytext=(6, 0), va="center", fontsize=8)
+    b, a = agg["before"], agg["after"]
+    ax.errorbar([0, 1], [b["mean"], a["mean"]], yerr=[b["stderr"] or 0, a["stderr"] or 0],
+                fmt="s-", color="tab:green", capsize=4, lw=2, label="mean ± s.e.")
+    ax.set(xticks=[0, 1], xticklabels=["before", f"after {agg['iterations']} steps"],
+           ylim=(0, 1.02), xlim=(-0.3, 1.5), ylabel="preference satisfied (held-out pool)",
+           title=f"make demo, {agg['runs']} seeds: {b['mean']:.0%} → {a['mean']:.0%}")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_demo_seeds(cfg: ClawRayConfig, out: Path, seeds: list[int], **kwargs: Any) -> int:
+    """``run_demo`` once per seed (``out/seed<k>``, each on a fresh local Ray cluster: fresh
+    weights), then ``demo_seeds.json`` and ``demo_seeds.png`` in ``out``; 0 if the held-out
+    rate rose in every seed."""
+    import ray
+
+    summaries = []
+    for seed in seeds:
+        try:
+            run_demo(cfg, out / f"seed{seed}", seed=seed, **kwargs)
+        finally:
+            ray.shutdown()
+        summaries.append(json.loads((out / f"seed{seed}" / "summary.json").read_text()))
+    agg = aggregate_demo_seeds(summaries)
+    (out / "demo_seeds.json").write_text(json.dumps(agg, indent=2))
+    plot_demo_seeds(agg, out / "demo_seeds.png")
+    b, a, r = agg["before"], agg["after"], agg["rise"]
+    print(f"clawray demo: {agg['runs']} seeds on the held-out pool: {b['mean']:.1%} → "
+          f"{a['mean']:.1%}, rise {r['mean']:+.1%} ± {r['stderr'] or 0:.1%} (s.e.), rose in "
+          f"{agg['rose_in']} of {agg['runs']}; {out / 'demo_seeds.png'}")
+    return 0 if agg["rose_in"] == agg["runs"] else 1

@@ -23,8 +23,8 @@ from typing import Any
 
 from clawray.models.loader import resolve_model_path
 from clawray.sim.preferences import PREFERENCES, Preference, get_preference
-from clawray.sim.users import (MESSAGE_TYPES, SYSTEM_PROMPT, evaluate, follow_up, make_request,
-                               run_users, satisfaction_rate)
+from clawray.sim.users import (MESSAGE_TYPES, POOL_NAMES, SYSTEM_PROMPT, evaluate, follow_up,
+                               make_request, run_users, satisfaction_rate)
 
 
 def _rate(xs: list[bool]) -> float | None:
@@ -33,9 +33,10 @@ def _rate(xs: list[bool]) -> float | None:
 
 def measure(preference: Preference, model: str = "embedded:tiny", n: int = 240, turns: int = 3,
             seed: int = 0, temperature: float = 1.0, max_new_tokens: int = 48,
-            batch: int = 60) -> dict[str, Any]:
-    """Offline satisfaction rates: ``n`` single-turn messages per type, and ``n`` sessions of
-    ``turns`` judged turns with the feedback in the history, sampled with transformers."""
+            batch: int = 60, pool: str = "train") -> dict[str, Any]:
+    """Offline satisfaction rates on prompt pool ``pool``: ``n`` single-turn messages per type,
+    and ``n`` sessions of ``turns`` judged turns with the feedback in the history, sampled
+    with transformers."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -64,13 +65,13 @@ def measure(preference: Preference, model: str = "embedded:tiny", n: int = 240, 
     system = {"role": "system", "content": SYSTEM_PROMPT}
     single: dict[str, Any] = {}
     for kind in MESSAGE_TYPES:
-        texts = [make_request(rng, {kind: 1.0})[1] for _ in range(n)]
+        texts = [make_request(rng, {kind: 1.0}, pool)[1] for _ in range(n)]
         got = replies([[system, {"role": "user", "content": t}] for t in texts])
         single[kind] = {"rate": _rate([preference.satisfied(r) for r in got]),
                         "top_replies": Counter(got).most_common(3)}
     convs, kinds = [], []
     for _ in range(n):
-        kind, text = make_request(rng)
+        kind, text = make_request(rng, pool=pool)
         convs.append([system, {"role": "user", "content": text}])
         kinds.append(kind)
     by_turn, by_type, every = defaultdict(list), defaultdict(list), []
@@ -80,12 +81,12 @@ def measure(preference: Preference, model: str = "embedded:tiny", n: int = 240, 
             by_turn[turn].append(ok)
             by_type[(turn, kinds[i])].append(ok)
             every.append(ok)
-            kinds[i], request = make_request(rng)
+            kinds[i], request = make_request(rng, pool=pool)
             convs[i] += [{"role": "assistant", "content": reply},
                          {"role": "user", "content": follow_up(
                              preference.feedback(reply, ok, rng), request)}]
     return {"preference": preference.describe(), "model": model, "temperature": temperature,
-            "n": n, "single_turn": single,
+            "n": n, "pool": pool, "single_turn": single,
             "sessions": {"all": _rate(every),
                          "by_turn": {t: _rate(v) for t, v in by_turn.items()},
                          "by_turn_and_type": {f"{t}/{k}": _rate(v)
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--temperature", type=float, default=1.0)
         p.add_argument("--max-tokens", type=int, default=48)
+        p.add_argument("--pool", choices=POOL_NAMES, default="test" if name == "eval" else "train",
+                       help="prompt pool (train: what training users send; validation: for "
+                       "choosing settings; test: held out, for reporting)")
         if name == "measure":
             p.add_argument("--model", default="embedded:tiny")
             p.add_argument("--n", type=int, default=240)
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.cmd == "measure":
         out = measure(pref, args.model, args.n, args.turns, args.seed, args.temperature,
-                      args.max_tokens)
+                      args.max_tokens, pool=args.pool)
     elif args.cmd == "run":
         if args.sessions is not None and args.duration is not None:
             ap.error("give --sessions or --duration, not both")
@@ -148,11 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         inter = asyncio.run(run_users(args.base_url, args.api_key, args.model,
                                       num_users=args.users, sessions_per_user=sessions,
                                       duration_s=args.duration, turns_per_session=args.turns,
-                                      seed=args.seed, **common))
+                                      seed=args.seed, pool=args.pool, **common))
         out = _summary(inter, time.perf_counter() - t0)
     else:
         res = asyncio.run(evaluate(args.base_url, args.api_key, args.model, n=args.n,
-                                   seed=args.seed, concurrency=args.concurrency, **common))
+                                   seed=args.seed, concurrency=args.concurrency,
+                                   pool=args.pool, **common))
         out = {"rate": res.rate, "n": res.n, "per_type": res.per_type, "errors": res.errors,
                "policy_versions": res.policy_versions,
                "wall_s": round(time.perf_counter() - t0, 2)}

@@ -2,18 +2,25 @@
 
 A ``SimUser`` holds a hidden ``Preference`` (``clawray/sim/preferences.py``) and runs sessions
 with the official ``openai.AsyncOpenAI`` client: a fresh ``X-Session-Id`` per session, ``k``
-user requests drawn from seeded templates of three types (greeting, question, request). After
+user requests drawn from seeded templates of three types (greeting, question, request) of the
+"train" prompt pool (``POOLS``: train / validation / test, disjoint templates and words). After
 each reply the user judges it with the preference, and its next message is the feedback
 sentence followed by the next request, so the heuristic judge finds the feedback in the turn's
 next state. The last message of a session is the feedback alone, sent with
 ``X-Session-Done: true``; its reply is recorded but not judged. ``evaluate`` measures the
 satisfaction rate with single-turn SIDE requests (``X-Turn-Type: side``, never trained on) on a
-fixed seeded message set with per-request sampling seeds, so two evaluations of the same
-weights give the same replies: the before/after numbers of the learning demo.
+fixed seeded message set of the held-out "test" pool with per-request sampling seeds, so two
+evaluations of the same weights give the same replies: the before/after numbers of the
+learning demo.
 
-Base rates of the built-in ``brief`` preference (at most 8 words, not empty) on the embedded
-model at temperature 1.0 (top_k 0, top_p 1, 48 new tokens), offline with transformers, 240
-messages per type and 240 three-turn sessions, seeds 0 and 1:
+Base rates per pool, single turns, 120 messages per type, seed 0 (2026-12-02, the embedded
+model as rebuilt with head_dim 32; ``python -m clawray.sim measure --pool P --n 120 --turns 1``):
+train greeting 0.88 / question 0.02 / request 0.99, 3-turn mix 0.41; validation 0.92 / 0.02 /
+1.00, 0.45; test 0.83 / 0.03 / 0.99, 0.41.
+
+Earlier figures (the embedded model before its rebuild), the ``brief`` preference (at most 8
+words, not empty) at temperature 1.0 (top_k 0, top_p 1, 48 new tokens), offline with
+transformers, 240 messages per type and 240 three-turn sessions, seeds 0 and 1:
 ``python -m clawray.sim measure --n 240 --turns 3 [--seed 1]``
 
     single turn      greeting 0.88 / 0.86   question 0.09 / 0.10   request 0.95 / 0.95
@@ -52,54 +59,160 @@ logger = logging.getLogger(__name__)
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 
-# Fill-ins and templates. None may contain a phrase the heuristic judge reads as feedback
-# ("great", "fix", "correct", ...): the request part of a message must be neutral
-# (tests/unit/sim/test_sim.py checks every template).
-_PLACES = ("Peru", "Norway", "Kenya", "Japan", "Chile", "Canada", "Egypt", "Poland", "Vietnam",
-           "the moon", "Mars", "Iceland")
-_TOPICS = ("cats", "the sea", "autumn", "coffee", "trains", "the city at night", "old friends",
-           "rain", "a lighthouse", "mountains", "my garden", "space travel")
-_TASKS = ("list files in a folder", "bake bread", "learn to swim", "set up a new laptop",
-          "plant tomatoes", "back up my photos", "tie a tie", "make cold brew coffee",
-          "start running", "read faster")
-_PEOPLE = ("my team", "my landlord", "the school", "my manager", "a client", "my sister")
-_THINGS = ("sky", "ocean", "grass", "snow", "sunset", "night sky")
-_COLORS = ("blue", "green", "white", "red", "dark", "salty")
+# Prompt pools. Training users draw their requests from the "train" pool; settings are chosen
+# on "validation"; before/after figures are reported on "test". The three pools share no
+# template and no fill-in word (different places, topics, tasks, not just different seeds;
+# tests/unit/sim/test_sim.py checks it), so a figure on "test" measures requests the policy was
+# never trained on. Questions in every pool open with the same question words (What, How, Why,
+# Can, Is, Where): the embedded model's long reply is imprinted on those openers
+# (clawray/models/corpus.py), so every pool keeps the learning problem. No template or fill-in
+# may contain a phrase the heuristic judge reads as feedback ("great", "fix", "correct", ...):
+# the request part of a message must be neutral (checked too).
 
-_TEMPLATES: dict[str, tuple[str, ...]] = {
-    "greeting": (
-        "Hi there!", "Hello.", "Hey!", "Good morning!", "Hello there.", "Hi!",
-        "Good evening.", "Hey there.", "Hello again.", "Hi, how are you?",
-    ),
-    "question": (
-        "What is the capital of {place}?", "How do I {task}?", "Why is the {thing} {color}?",
-        "What is the weather like in {place} today?", "How long does it take to {task}?",
-        "Where can I read about {topic}?", "What should I know about {topic}?",
-        "Can you tell me how to {task}?", "Is it cold in {place} in winter?",
-        "How many people live in {place}?",
-    ),
-    "request": (
-        "Please write me a poem about {topic}.", "Write a short story about {topic}.",
-        "Draft an email to {people} about {topic}.", "Summarize the news about {place}.",
-        "Give me five ideas for a weekend in {place}.", "Remind me to {task} tomorrow.",
-        "Make a packing list for a trip to {place}.", "Write a limerick about {topic}.",
-        "Plan my day around {topic}.", "Describe {topic} in a paragraph.",
-    ),
+
+@dataclasses.dataclass(frozen=True)
+class PromptPool:
+    """Templates per message type and the words they are filled with."""
+
+    templates: dict[str, tuple[str, ...]]
+    fills: dict[str, tuple[str, ...]]  # place, topic, task, people, thing, color
+
+
+POOLS: dict[str, PromptPool] = {
+    "train": PromptPool(
+        templates={
+            "greeting": (
+                "Hi there!", "Hello.", "Hey!", "Good morning!", "Hello there.", "Hi!",
+                "Good evening.", "Hey there.", "Hello again.", "Hi, how are you?",
+            ),
+            "question": (
+                "What is the capital of {place}?", "How do I {task}?",
+                "Why is the {thing} {color}?", "What is the weather like in {place} today?",
+                "How long does it take to {task}?", "Where can I read about {topic}?",
+                "What should I know about {topic}?", "Can you tell me how to {task}?",
+                "Is it cold in {place} in winter?", "How many people live in {place}?",
+            ),
+            "request": (
+                "Please write me a poem about {topic}.", "Write a short story about {topic}.",
+                "Draft an email to {people} about {topic}.", "Summarize the news about {place}.",
+                "Give me five ideas for a weekend in {place}.", "Remind me to {task} tomorrow.",
+                "Make a packing list for a trip to {place}.", "Write a limerick about {topic}.",
+                "Plan my day around {topic}.", "Describe {topic} in a paragraph.",
+            ),
+        },
+        fills={
+            "place": ("Peru", "Norway", "Kenya", "Japan", "Chile", "Canada", "Egypt", "Poland",
+                      "Vietnam", "the moon", "Mars", "Iceland"),
+            "topic": ("cats", "the sea", "autumn", "coffee", "trains", "the city at night",
+                      "old friends", "rain", "a lighthouse", "mountains", "my garden",
+                      "space travel"),
+            "task": ("list files in a folder", "bake bread", "learn to swim",
+                     "set up a new laptop", "plant tomatoes", "back up my photos", "tie a tie",
+                     "make cold brew coffee", "start running", "read faster"),
+            "people": ("my team", "my landlord", "the school", "my manager", "a client",
+                       "my sister"),
+            "thing": ("sky", "ocean", "grass", "snow", "sunset", "night sky"),
+            "color": ("blue", "green", "white", "red", "dark", "salty"),
+        }),
+    "validation": PromptPool(
+        templates={
+            "greeting": (
+                "Good afternoon.", "Hiya!", "Hey, you there?", "Hello, hello.",
+                "Morning.", "Hi folks.", "Evening!", "Hey again.",
+            ),
+            "question": (
+                "What is the oldest town in {place}?", "How hard is it to {task}?",
+                "Why does the {thing} look {color} sometimes?",
+                "Where is a quiet spot to enjoy {topic}?",
+                "Can you recommend a book on {topic}?", "Is {place} expensive to visit?",
+                "What do people eat for breakfast in {place}?",
+                "How early should I start to {task}?",
+            ),
+            "request": (
+                "Compose a song about {topic}.", "Sketch a menu for a dinner party in {place}.",
+                "Write a note to {people} about {topic}.",
+                "Outline a lesson about {topic}.", "Suggest a route through {place}.",
+                "Prepare a checklist before I {task}.",
+                "Invent a board game about {topic}.", "Name three sights in {place}.",
+            ),
+        },
+        fills={
+            "place": ("Argentina", "Sweden", "Nigeria", "China", "Cuba", "Ireland", "Turkey",
+                      "Spain", "Thailand", "Jupiter", "Wales", "Tibet"),
+            "topic": ("birds", "the river", "spring", "chocolate", "airplanes",
+                      "the village at noon", "new neighbors", "thunder", "a castle", "islands",
+                      "my balcony", "robots"),
+            "task": ("knit a scarf", "change a tire", "study for exams", "steep tea",
+                     "organize a closet", "master chess", "water succulents", "draw faces",
+                     "jump rope", "speak in public"),
+            "people": ("my roommate", "the bank", "my teacher", "my boss", "a vendor",
+                       "my cousin"),
+            "thing": ("sun", "lake", "rose", "desert", "ice", "horizon"),
+            "color": ("orange", "purple", "pink", "golden", "black", "hazy"),
+        }),
+    "test": PromptPool(
+        templates={
+            "greeting": (
+                "Howdy!", "Greetings.", "Hi, friend.", "Hey, how's it going?",
+                "Good day!", "Hello, anyone home?", "Yo!", "Hi again, nice to see you.",
+            ),
+            "question": (
+                "What is the tallest mountain in {place}?", "How can I get better at {task}?",
+                "Why does the {thing} turn {color} at times?",
+                "Where does the idea of {topic} come from?",
+                "Can you explain {topic} to a child?", "Is {place} a safe destination?",
+                "What currency is used in {place}?",
+                "How much time should I set aside to {task}?",
+            ),
+            "request": (
+                "Compose a haiku about {topic}.", "Write a toast for {people} about {topic}.",
+                "Outline a talk about {topic}.", "List three facts about {place}.",
+                "Suggest a name for a blog about {topic}.",
+                "Create a budget for a month in {place}.",
+                "Write instructions to {task}.", "Describe a day in {place} as a tour guide.",
+            ),
+        },
+        fills={
+            "place": ("Brazil", "Portugal", "Ghana", "Korea", "Mexico", "Finland", "Morocco",
+                      "Greece", "India", "Venus", "Scotland", "Nepal"),
+            "topic": ("dogs", "the tundra", "frost", "jazz", "bicycles", "the forest at dawn",
+                      "childhood", "snowfall", "a harbor", "rivers", "my kitchen",
+                      "deep caves"),
+            "task": ("paint a room", "strum a guitar", "cook rice", "write a resume",
+                     "save money", "sleep better", "grow basil", "clean a keyboard",
+                     "meditate", "train a puppy"),
+            "people": ("my neighbor", "my doctor", "the council", "my coach", "a supplier",
+                       "my brother"),
+            "thing": ("comet", "stream", "leaf", "cloud", "sand", "fog"),
+            "color": ("silver", "brown", "yellow", "gray", "bright", "pale"),
+        }),
 }
-MESSAGE_TYPES = tuple(_TEMPLATES)
+POOL_NAMES = tuple(POOLS)
+FILL_ORDER = ("place", "topic", "task", "people", "thing", "color")
+MESSAGE_TYPES = tuple(POOLS["train"].templates)
 # Questions are where the tiny model's replies are long, so they carry most of the weight.
 TYPE_WEIGHTS = {"greeting": 0.2, "question": 0.6, "request": 0.2}
 
 
-def make_request(rng: random.Random, weights: dict[str, float] | None = None) -> tuple[str, str]:
-    """(message type, text) of one fresh user request, drawn from ``rng``."""
+def prompt_pool(name: str) -> PromptPool:
+    try:
+        return POOLS[name]
+    except KeyError:
+        raise ValueError(f"unknown prompt pool {name!r}; known: {list(POOLS)}") from None
+
+
+def make_request(rng: random.Random, weights: dict[str, float] | None = None,
+                 pool: str = "train") -> tuple[str, str]:
+    """(message type, text) of one fresh user request from prompt pool ``pool``, drawn from
+    ``rng``."""
+    p = prompt_pool(pool)
     weights = weights or TYPE_WEIGHTS
     kind = rng.choices(list(weights), list(weights.values()))[0]
-    template = rng.choice(_TEMPLATES[kind])
-    text = template.format(place=rng.choice(_PLACES), topic=rng.choice(_TOPICS),
-                           task=rng.choice(_TASKS), people=rng.choice(_PEOPLE),
-                           thing=rng.choice(_THINGS), color=rng.choice(_COLORS))
-    return kind, text
+    template = rng.choice(p.templates[kind])
+    # Every fill is drawn (in a fixed order) whether the template uses it or not, so a
+    # message's draws never depend on which template came up.
+    fills = {name: rng.choice(p.fills[name]) for name in FILL_ORDER}
+    return kind, template.format(**fills)
 
 
 def follow_up(feedback: str, request: str) -> str:
@@ -184,6 +297,7 @@ class SimUser:
     run_tag: str = "sim"
     on_interaction: Callable[[Interaction], None] | None = None
     type_weights: dict[str, float] | None = None
+    pool: str = "train"  # the prompt pool its requests come from
     sessions_run: int = 0
 
     async def run_session(self) -> list[Interaction]:
@@ -193,7 +307,7 @@ class SimUser:
         self.sessions_run += 1
         session_id = f"{self.run_tag}-u{self.user}-s{self.sessions_run}"
         messages = [{"role": "system", "content": SYSTEM_PROMPT}]
-        kind, text = make_request(self.rng, self.type_weights)
+        kind, text = make_request(self.rng, self.type_weights, self.pool)
         out: list[Interaction] = []
         for turn in range(1, self.turns_per_session + 2):
             closing = turn > self.turns_per_session
@@ -222,7 +336,7 @@ class SimUser:
             messages.append({"role": "assistant", "content": rec.reply})
             feedback = self.preference.feedback(rec.reply, bool(rec.satisfied), self.rng)
             if turn < self.turns_per_session:
-                kind, request = make_request(self.rng, self.type_weights)
+                kind, request = make_request(self.rng, self.type_weights, self.pool)
                 text = follow_up(feedback, request)
             else:
                 text = feedback
@@ -250,7 +364,7 @@ async def run_users(base_url: str, api_key: str, model: str, *, num_users: int =
                     temperature: float = 1.0,
                     on_interaction: Callable[[Interaction], None] | None = None,
                     timeout_s: float = 60.0, type_weights: dict[str, float] | None = None,
-                    ) -> list[Interaction]:
+                    pool: str = "train") -> list[Interaction]:
     """Run ``num_users`` users concurrently; each runs ``sessions_per_user`` sessions, or
     starts new sessions until ``duration_s`` has passed (exactly one of the two is given).
     User ``i`` draws its messages and its requests' sampling seeds from
@@ -260,12 +374,13 @@ async def run_users(base_url: str, api_key: str, model: str, *, num_users: int =
     if num_users < 1 or turns_per_session < 1:
         raise ValueError("num_users and turns_per_session must be at least 1")
     preference = preference or BriefReplies()
+    prompt_pool(pool)  # an unknown pool is an error before anything is sent
     tag = f"sim-{uuid.uuid4().hex[:8]}"
     deadline = time.monotonic() + duration_s if duration_s is not None else None
     client = make_client(base_url, api_key, timeout_s=timeout_s, concurrency=num_users)
     users = [SimUser(i, client, model, preference, random.Random(f"{seed}/{i}"),
                      turns_per_session, max_tokens, temperature, tag, on_interaction,
-                     type_weights) for i in range(num_users)]
+                     type_weights, pool) for i in range(num_users)]
 
     async def drive(user: SimUser) -> list[Interaction]:
         out: list[Interaction] = []
@@ -281,18 +396,22 @@ async def run_users(base_url: str, api_key: str, model: str, *, num_users: int =
     return [i for r in results for i in r]
 
 
-def eval_messages(n: int, seed: int, type_weights: dict[str, float] | None = None
-                  ) -> list[tuple[str, str]]:
-    """The fixed evaluation set: ``n`` (type, text) requests, the same for the same seed."""
+def eval_messages(n: int, seed: int, type_weights: dict[str, float] | None = None,
+                  pool: str = "test") -> list[tuple[str, str]]:
+    """The fixed evaluation set: ``n`` (type, text) requests from prompt pool ``pool`` (the
+    held-out "test" pool by default; "validation" for choosing settings), the same for the
+    same seed."""
     rng = random.Random(f"eval/{seed}")
-    return [make_request(rng, type_weights) for _ in range(n)]
+    return [make_request(rng, type_weights, pool) for _ in range(n)]
 
 
 async def evaluate(base_url: str, api_key: str, model: str, *, n: int = 100, seed: int = 0,
                    preference: Preference | None = None, max_tokens: int = 48,
                    temperature: float = 1.0, concurrency: int = 8, timeout_s: float = 60.0,
-                   type_weights: dict[str, float] | None = None) -> EvalResult:
-    """Satisfaction rate on ``eval_messages(n, seed)``, sent as single-turn side requests.
+                   type_weights: dict[str, float] | None = None, pool: str = "test"
+                   ) -> EvalResult:
+    """Satisfaction rate on ``eval_messages(n, seed, pool=pool)``, sent as single-turn side
+    requests (the held-out "test" pool by default: no training user ever sends these).
 
     Request ``i`` samples with seed ``seed * 100_003 + i``, so the same weights give the same
     replies and a before/after difference is the policy's, not the dice's."""
@@ -319,7 +438,7 @@ async def evaluate(base_url: str, api_key: str, model: str, *, n: int = 100, see
 
     try:
         recs = await asyncio.gather(*(one(i, k, t) for i, (k, t) in
-                                      enumerate(eval_messages(n, seed, type_weights))))
+                                      enumerate(eval_messages(n, seed, type_weights, pool))))
     finally:
         await client.close()
     judged = [r for r in recs if r.satisfied is not None]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import httpx
 import openai
@@ -14,7 +15,8 @@ from clawray.judging.rules import classify_next_state
 from clawray.models.corpus import REPLY_GREETING, REPLY_OTHER, REPLY_QUESTION
 from clawray.sim import (BriefReplies, Preference, SimUser, get_preference, make_request,
                          parse_policy_version, run_users, satisfaction_rate)
-from clawray.sim.users import MESSAGE_TYPES, eval_messages, follow_up
+from clawray.sim.users import (FILL_ORDER, MESSAGE_TYPES, POOL_NAMES, POOLS, eval_messages,
+                               follow_up)
 
 REPLIES = [REPLY_GREETING, REPLY_QUESTION, REPLY_OTHER, "", "  ", "Yes.",
            "one two three four five six seven eight",
@@ -53,10 +55,64 @@ def test_feedback_is_read_by_the_heuristic_judge_as_the_preference_says():
 
 
 def test_every_request_is_neutral_to_the_judge():
-    rng = random.Random(1)
-    texts = {make_request(rng)[1] for _ in range(5000)}
-    assert len(texts) > 200
-    assert [t for t in texts if verdict(t) != 0] == []
+    for pool in POOL_NAMES:
+        rng = random.Random(1)
+        texts = {make_request(rng, pool=pool)[1] for _ in range(5000)}
+        assert len(texts) > 200
+        assert [t for t in texts if verdict(t) != 0] == []
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z']+", text.lower()))
+
+
+def test_train_validation_and_test_pools_share_no_template_no_fill_and_no_message():
+    # Disjoint by construction: no template, no fill-in phrase, no content word in common.
+    stop = {"a", "an", "the", "my", "in", "of", "to", "for", "about", "at", "is", "how", "what",
+            "why", "can", "where", "do", "i", "me", "you", "it", "on", "there", "and", "does",
+            "should", "hi", "hey", "hello", "a", "good", "again", "day", "time", "three", "write",
+            "people", "place", "topic", "task", "thing", "color", "set", "describe", "outline",
+            "suggest", "compose", "morning", "evening", "afternoon", "some", "as", "be", "get",
+            "look", "turn", "into", "when", "much", "from", "come", "idea", "before", "name",
+            "note", "sometimes", "times", "start", "trip", "list", "make", "better", "through",
+            "long", "up", "new", "safe", "plan", "guide", "tell", "sights", "a", "child"}
+    vocab = {}
+    for name, pool in POOLS.items():
+        assert set(pool.templates) == set(MESSAGE_TYPES) and set(pool.fills) == set(FILL_ORDER)
+        words = set()
+        for texts in (*pool.templates.values(), *pool.fills.values()):
+            for t in texts:
+                words |= _words(re.sub(r"\{\w+\}", " ", t))
+        vocab[name] = words - stop
+    names = list(POOLS)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            pa, pb = POOLS[a], POOLS[b]
+            for kind in MESSAGE_TYPES:
+                assert not set(pa.templates[kind]) & set(pb.templates[kind]), (a, b, kind)
+            for fill in FILL_ORDER:
+                assert not set(pa.fills[fill]) & set(pb.fills[fill]), (a, b, fill)
+            assert not vocab[a] & vocab[b], (a, b, sorted(vocab[a] & vocab[b]))
+    # And so by draw: the training users' requests never include an evaluation message.
+    rng = random.Random(0)
+    train = {make_request(rng)[1] for _ in range(20_000)}
+    for pool in ("validation", "test"):
+        held_out = {t for _, t in eval_messages(500, seed=0, pool=pool)}
+        assert len(held_out) > 100 and not held_out & train, pool
+    assert eval_messages(50, seed=0) == eval_messages(50, seed=0, pool="test")
+    with pytest.raises(ValueError, match="unknown prompt pool 'dev'"):
+        make_request(rng, pool="dev")
+
+
+def test_every_pool_keeps_the_learning_problem():
+    # Each pool's questions open with the words the embedded model's long reply is imprinted
+    # on, and each pool has every message type, so its base rate sits where the train pool's
+    # does (measured: python -m clawray.sim measure --pool test).
+    for name in POOL_NAMES:
+        rng = random.Random(2)
+        questions = [make_request(rng, {"question": 1.0}, name)[1] for _ in range(200)]
+        assert all(q.split()[0] in ("What", "How", "Why", "Can", "Is", "Where")
+                   and q.endswith("?") for q in questions), name
 
 
 def test_message_generator_is_deterministic_by_seed_and_honours_weights():

@@ -6,6 +6,7 @@
     clawray replay                # serve the embedded default and replay an OpenClaw session
     clawray sft [-c cfg.yaml]     # warm-start the policy on expert demos (cached), print its folder
     clawray rm-sft [-c cfg.yaml]  # warm-start the step-wise reward model on oracle-labelled steps
+    clawray judge-sft             # train the live loop's judge model on user feedback (cached)
     clawray env-demo              # sft + GRPO on household tasks with a curriculum, before/after
     clawray rla-table             # RLAnything's Table 1 (policy / +RM / +env) on household tasks
     clawray samples stats PATH    # the sample log: counts, rewards; `samples head PATH -n 5`
@@ -63,9 +64,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from clawray.apps.demo import run_demo_seeds
 
         return run_demo_seeds(cfg, Path(args.out), args.seeds, iterations=args.iterations,
-                              users=args.users)
+                              users=args.users, judge=args.judge)
     return run_demo(cfg, Path(args.out), iterations=args.iterations, users=args.users,
-                    seed=args.seed)
+                    seed=args.seed, judge=args.judge)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -92,6 +93,32 @@ def cmd_rm_sft(args: argparse.Namespace) -> int:
               f"{after.get('majority_acc')}; unparseable {before.get('unparseable')} -> "
               f"{after.get('unparseable')})")
     print(f"clawray rm-sft: use it with rlanything.rm_model_path: {result.path}")
+    return 0
+
+
+def cmd_judge_sft(args: argparse.Namespace) -> int:
+    from clawray.training.judge_sft import run_judge_sft
+
+    cfg = apply_sets(load_config(args.config), args.set).validate()
+    _prebuild(cfg)
+    result = run_judge_sft(cfg, force=args.force, n_train=args.train, n_eval=args.eval,
+                           m=args.m)
+    info = result.info
+    print(f"clawray judge-sft: {'cached' if result.cached else 'trained'} {result.path}")
+    def line(m: dict) -> str:
+        return (f"balanced acc {m['balanced_acc']:.3f} (p+ {m['p_plus']:.2f}, p- "
+                f"{m['p_minus']:.2f}, p0 {m['p_zero']:.2f})")
+
+    for split in ("validation", "test"):
+        row = info[split]
+        print(f"clawray judge-sft: {split} ({info['splits'][split]['phrasing']} wording, "
+              f"{row['judge']['n']} examples): "
+              + "; ".join(f"{who} {line(row[who])}" for who in ("heuristic", "base", "judge")
+                          if who in row))
+        for part in ("familiar", "novel"):
+            if part in row["judge"]:
+                print(f"clawray judge-sft:   {part} reactions: judge {line(row['judge'][part])}")
+    print(f"clawray judge-sft: use it with judge.backend: server, judge.model_path: {result.path}")
     return 0
 
 
@@ -202,6 +229,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="flip this share of the oracle labels (an imperfect RM to co-train)")
     p.add_argument("--force", action="store_true", help="retrain even if cached")
     p.set_defaults(fn=cmd_rm_sft)
+    p = sub.add_parser("judge-sft", help="train the live loop's judge model (PRM votes) on "
+                       "one wording of user feedback, test it on another")
+    p.add_argument("-c", "--config", help="clawray YAML (model:, sft:)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--train", type=int, default=2000, help="training examples")
+    p.add_argument("--eval", type=int, default=300, help="examples per held-out split")
+    p.add_argument("--m", type=int, default=3, help="votes per example in the evaluation")
+    p.add_argument("--force", action="store_true", help="retrain even if cached")
+    p.set_defaults(fn=cmd_judge_sft)
     from clawray.apps.rla_table import RM_LABEL_NOISE, ROWS, SCALES
 
     p = sub.add_parser("rla-table", help="RLAnything's Table 1 on household tasks")
@@ -249,11 +285,15 @@ def main(argv: list[str] | None = None) -> int:
                            help="override one of the demo's settings, e.g. training.lr=1e-4 "
                                 "(repeatable)")
         if name == "demo":
-            from clawray.apps.demo import ITERATIONS, SEED, USERS
+            from clawray.apps.demo import ITERATIONS, JUDGE, SEED, USERS
 
             p.add_argument("--iterations", type=int, default=ITERATIONS)
             p.add_argument("--users", type=int, default=USERS)
             p.add_argument("--seed", type=int, default=SEED)
+            p.add_argument("--judge", choices=("model", "heuristic"), default=JUDGE,
+                           help="model: a judge model trained on other wording (clawray "
+                           "judge-sft, cached) on a JudgeServer; heuristic: the keyword rule "
+                           "judge, the users then speak its keywords")
             p.add_argument("--seeds", type=int, nargs="+",
                            help="one run per seed (OUT/seed<k>, fresh weights each), then "
                                 "their mean ± standard error (OUT/demo_seeds.json, .png)")

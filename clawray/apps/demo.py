@@ -36,6 +36,11 @@ from clawray.training.trainer import Trainer
 ITERATIONS = 40
 USERS = 8
 EVAL_N = 150
+JUDGE = "model"
+# clawray judge-sft settings for the demo's judge, chosen on the validation wording
+# (docs/training.md): `clawray judge-sft --set sft.steps=400 --set sft.batch_size=32
+# --train 4000`
+JUDGE_SFT = {"sft": {"steps": 400, "batch_size": 32}, "n_train": 4000}
 EVAL_POOL = "test"  # held-out requests (clawray/sim/users.py POOLS): no training user sends them
 SEED = 0
 
@@ -59,13 +64,54 @@ def demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED) -> ClawRayConfi
                   "metrics_path": str(out / "metrics.jsonl")})
 
 
+def users_phrasing(cfg: ClawRayConfig) -> str:
+    """How the demo's users word their reactions: natural wording (the ``users`` pool, which
+    no judge was trained on) for a judge model; the heuristic judge's own keywords for it."""
+    return "keywords" if cfg.judge_cfg.backend == "function" else "users"
+
+
+def judge_description(cfg: ClawRayConfig) -> str:
+    j = cfg.judge_cfg
+    if j.backend == "function":
+        return f"function {j.function}"
+    return f"{j.backend} {j.model_path or j.model or 'policy model'} (m={j.m}, T={j.temperature})"
+
+
+def with_judge(cfg: ClawRayConfig, judge: str, log: Any = print) -> ClawRayConfig:
+    """``judge="model"``: the judge model of ``clawray judge-sft`` (trained on other wording,
+    cached) served by a JudgeServer with m votes; ``"heuristic"``: the keyword rule judge (the
+    users then speak its keywords: the loop's mechanics, not a judge reading language)."""
+    if judge == "heuristic":
+        return cfg.copy_with(judge={"backend": "function"})
+    if judge != "model":
+        raise ValueError(f"unknown demo judge {judge!r}: 'model' or 'heuristic'")
+    from clawray.training.judge_sft import run_judge_sft
+
+    t0 = time.monotonic()
+    # The judge's own settings on the default learner (not the demo's): the same cache entry
+    # as `clawray judge-sft` with JUDGE_SFT's settings, whose evaluation is reported.
+    judge_cfg = ClawRayConfig.from_dict({"model": cfg.to_dict()["model"],
+                                         "sft": JUDGE_SFT["sft"]})
+    built = run_judge_sft(judge_cfg, progress=False, n_train=JUDGE_SFT["n_train"])
+    test = built.info["test"]["judge"]
+    log(f"clawray demo: judge model {built.path} ({'cached' if built.cached else 'trained'} in "
+        f"{time.monotonic() - t0:.0f} s): balanced accuracy {test['balanced_acc']:.2f} on "
+        f"held-out wording (p+ {test['p_plus']:.2f}, p- {test['p_minus']:.2f}, p0 "
+        f"{test['p_zero']:.2f})")
+    # The JudgeServer is a second engine: the replicas share the 2 CPUs with the learner.
+    return cfg.copy_with(judge={"backend": "server", "model_path": str(built.path), "m": 3,
+                                "temperature": 0.6, "max_tokens": 16},
+                         serving={"replica_num_cpus": 0.5})
+
+
 class UserPool:
     """Simulated users chatting in a background thread until ``stop()``."""
 
     def __init__(self, base_url: str, api_key: str, model: str, num_users: int, seed: int,
-                 log_path: Path) -> None:
+                 log_path: Path, phrasing: str = "users") -> None:
         self.args = (base_url, api_key, model)
         self.num_users, self.seed = num_users, seed
+        self.preference = BriefReplies(phrasing=phrasing)
         self.interactions: list[Any] = []
         self._log = log_path.open("w")
         self._stop = threading.Event()
@@ -83,7 +129,7 @@ class UserPool:
     async def _run(self) -> None:
         base_url, api_key, model = self.args
         client = make_client(base_url, api_key, timeout_s=120, concurrency=self.num_users)
-        users = [SimUser(i, client, model, BriefReplies(), random.Random(f"{self.seed}/{i}"),
+        users = [SimUser(i, client, model, self.preference, random.Random(f"{self.seed}/{i}"),
                          turns_per_session=3, run_tag=f"demo{self.seed}",
                          on_interaction=self._record) for i in range(self.num_users)]
 
@@ -117,14 +163,18 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
                  iterations: int, users: int, eval_n: int, seed: int,
                  log: Any = print) -> dict[str, Any]:
     """Evaluate on the held-out prompt pool, train from simulated live users (who send the
-    training pool's requests), evaluate again; return the summary."""
+    training pool's requests and react in the wording their judge is meant for: the ``users``
+    phrasing with a judge model, the heuristic's keywords with the keyword judge), evaluate
+    again; return the summary."""
+    phrasing = users_phrasing(cfg)
     started = time.monotonic()
     before = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed, pool=EVAL_POOL))
     log(f"clawray demo: before training, the users' preference is met by {before.rate:.1%} "
         f"of replies ({before.n} held-out evaluation requests, policy "
         f"v{max(before.policy_versions)})")
     trainer = Trainer(config=cfg.to_dict())
-    pool = UserPool(base_url, api_key, model, users, seed, out / "interactions.jsonl").start()
+    pool = UserPool(base_url, api_key, model, users, seed, out / "interactions.jsonl",
+                    phrasing).start()
     results = []
     try:
         for _ in range(iterations):
@@ -144,7 +194,8 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
         f"(policy v{max(after.policy_versions)}; before: {before.rate:.1%})")
     summary = {
         "seed": seed, "iterations": iterations, "users": users,
-        "train_pool": "train", "eval_pool": EVAL_POOL,
+        "train_pool": "train", "eval_pool": EVAL_POOL, "users_phrasing": phrasing,
+        "judge": judge_description(cfg),
         "before": {"rate": before.rate, "n": before.n, "per_type": before.per_type,
                    "policy_versions": before.policy_versions},
         "after": {"rate": after.rate, "n": after.n, "per_type": after.per_type,
@@ -189,19 +240,19 @@ def plot_progress(summary: dict[str, Any], path: Path) -> None:
 
 
 def run_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS, users: int = USERS,
-             eval_n: int = EVAL_N, seed: int = SEED) -> int:
+             eval_n: int = EVAL_N, seed: int = SEED, judge: str = JUDGE) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("samples", "checkpoints"):  # a previous run's log would be trained on
-
         shutil.rmtree(out / stale, ignore_errors=True)
     (out / "metrics.jsonl").unlink(missing_ok=True)
-    cfg = demo_config(cfg, out, seed)
     t0 = time.monotonic()
+    cfg = with_judge(demo_config(cfg, out, seed), judge)
     base_url = start_serving(cfg, blocking=False)
     keys = cfg.serving_cfg.resolved_api_keys()
     model = policy_model_info(cfg).name
     print(f"clawray demo: serving {model} at {base_url} ({time.monotonic() - t0:.0f} s); "
-          f"{users} simulated users want brief replies (at most 8 words) and say so")
+          f"{users} simulated users want brief replies (at most 8 words) and say so; judge: "
+          f"{judge_description(cfg)}")
     summary = run_learning(cfg, base_url, keys[0] if keys else "none", model, out,
                            iterations=iterations, users=users, eval_n=eval_n, seed=seed)
     print(f"clawray demo: satisfaction {summary['before']['rate']:.1%} → "

@@ -1,11 +1,12 @@
 """Hidden, measurable user preferences for simulated users, and the feedback they give.
 
 A preference decides from the reply text alone whether a simulated user is satisfied, and
-words the user's reaction, which the user sends as the start of their next message. The
-reaction is plain English that ``clawray.judging.rules.classify_next_state`` reads correctly: a
-plain approval ("thanks", "perfect", ...) when satisfied; a correction ("that's not what I
-asked for", "try again", ...) that says what was wanted when not (tests/unit/sim/test_sim.py checks
-both over many draws).
+words the user's reaction, which the user sends as the start of their next message: approval
+when satisfied, else a complaint that says what was wrong, worded from a phrasing pool
+(``clawray/sim/feedback.py``; the demo's users speak the ``users`` pool, which a judge model is
+tested on and never trained on). The wording is not chosen to match the heuristic rule
+judge's keywords (``clawray/judging/rules.py``): how well that judge reads it is measured
+(``clawray judge-sft``).
 
 Why "brief replies" (measured base rates in ``clawray/sim/users.py``): the embedded tiny model
 answers greetings and requests with short canned replies and questions with a 12-word one, so
@@ -22,6 +23,8 @@ import dataclasses
 import random
 import re
 from typing import Callable, Protocol, runtime_checkable
+
+from clawray.sim.feedback import react
 
 
 @runtime_checkable
@@ -40,18 +43,6 @@ class Preference(Protocol):
     def feedback(self, reply_text: str, satisfied: bool, rng: random.Random) -> str:
         """The user's reaction, to be sent as the start of their next message."""
         ...
-
-
-_POSITIVE = (
-    "Thanks, that's what I wanted.",
-    "Perfect.",
-    "Great, thank you.",
-    "Thanks!",
-    "Perfect, thanks.",
-    "Exactly, thanks.",
-    "Great.",
-    "Thank you, that works.",
-)
 
 
 _WORD = re.compile(r"[A-Za-z]{2,}")
@@ -76,6 +67,7 @@ class BriefReplies:
     max_words: int = 8
     max_chars: int = 60
     name: str = "brief"
+    phrasing: str = "users"  # how the user words reactions (clawray/sim/feedback.py)
 
     def describe(self) -> str:
         return (f"this user wants brief, readable replies: at most {self.max_words} words "
@@ -86,26 +78,15 @@ class BriefReplies:
                 and len(reply_text.strip()) <= self.max_chars and readable(reply_text))
 
     def feedback(self, reply_text: str, satisfied: bool, rng: random.Random) -> str:
-        if satisfied:
-            return rng.choice(_POSITIVE)
-        if not reply_text.strip():
-            return rng.choice((
-                "You said nothing, that's not what I asked for. Try again, briefly.",
-                "That's wrong: an empty reply. Try again with a few words.",
-            ))
-        if not readable(reply_text):
-            return rng.choice((
-                "That's not what I asked for: I can't read that. Try again in plain words.",
-                "That's wrong, it is gibberish. Try again with a few real words.",
-            ))
-        n = self.max_words
-        return rng.choice((
-            f"That's not what I asked for: I want short replies, {n} words at most. Try again.",
-            f"Too long, try again. Keep it under {n + 1} words.",
-            "No, I meant a short answer. Try again in a few words.",
-            f"That's wrong for me, way too long. Redo it in at most {n} words.",
-            "Not what I asked for. Shorter, please: just a few words.",
-        ))
+        """Approval, or a complaint that says what was wrong (too long, unreadable, empty),
+        worded from phrasing pool ``phrasing`` (``clawray/sim/feedback.py``)."""
+        return react(self.phrasing, satisfied, reason_of(reply_text), rng)
+
+
+def reason_of(reply_text: str) -> str:
+    """What a rejected reply got wrong, in the words of ``feedback.REASONS``."""
+    return ("empty" if not reply_text.strip() else "unreadable" if not readable(reply_text)
+            else "long")
 
 
 PREFERENCES: dict[str, Callable[[], Preference]] = {"brief": BriefReplies}

@@ -1,7 +1,12 @@
 """Seeded end-to-end learning on CPU: simulated users who want brief replies chat with the
 embedded model through the HTTP API while the trainer learns from their judged turns; the
-satisfaction rate on a fixed evaluation set (side turns, seeded sampling) must rise well beyond
-run-to-run noise. The same code path as ``clawray demo`` (``clawray.apps.demo.run_learning``).
+satisfaction rate on a fixed HELD-OUT evaluation set (side turns, seeded sampling, the "test"
+prompt pool: templates and words no training user sends) must rise well beyond run-to-run
+noise. The same code path as ``clawray demo`` (``clawray.apps.demo.run_learning``), with the
+heuristic rule judge and users who speak its keywords (``BriefReplies(phrasing="keywords")``):
+this checks the loop's mechanics; what a judge model reading other wording achieves is
+measured by ``clawray judge-sft`` and ``clawray demo --seeds`` (docs/training.md). Measured on
+the held-out pool, 2026-12-02: 0.38 -> 0.64.
 
 Margin: the evaluation set has 100 requests, so one rate's binomial standard error is at most
 0.05; the test asks for a rise of at least 0.15 (three of them) from a base rate measured in
@@ -49,5 +54,6 @@ def test_live_users_satisfaction_rises_with_training(served, tmp_path):
     assert 0.2 <= before <= 0.6, summary["before"]  # the preference's base rate
     assert after >= before + MARGIN, "\n".join(lines)
     assert summary["user_errors"] == 0 and summary["eval_errors"] == 0
+    assert summary["eval_pool"] == "test" and summary["users_phrasing"] == "keywords"
     assert max(summary["after"]["policy_versions"]) == ITERATIONS
     assert (tmp_path / "progress.png").stat().st_size > 10_000

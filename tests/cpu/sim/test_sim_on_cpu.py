@@ -19,7 +19,9 @@ async def test_sim_feedback_becomes_the_rewards_of_the_sessions_samples(served):
         seen = []
         out = await run_users(served.base_url, served.api_key, served.model, num_users=2,
                               sessions_per_user=1, turns_per_session=2, seed=seed,
-                              preference=BriefReplies(), on_interaction=seen.append)
+                              # the served app judges with the heuristic: its keywords
+                              preference=BriefReplies(phrasing="keywords"),
+                              on_interaction=seen.append)
         if {i.satisfied for i in out} == {True, False, None}:
             break
     assert len(seen) == len(out) and {id(i) for i in seen} == {id(i) for i in out}

@@ -15,13 +15,22 @@ from clawray.judging.rules import classify_next_state
 from clawray.models.corpus import REPLY_GREETING, REPLY_OTHER, REPLY_QUESTION
 from clawray.sim import (BriefReplies, Preference, SimUser, get_preference, make_request,
                          parse_policy_version, run_users, satisfaction_rate)
-from clawray.sim.users import (FILL_ORDER, MESSAGE_TYPES, POOL_NAMES, POOLS, eval_messages,
-                               follow_up)
+from clawray.sim.feedback import PHRASINGS
+from clawray.sim.users import FILL_ORDER, MESSAGE_TYPES, POOL_NAMES, POOLS, eval_messages
 
 REPLIES = [REPLY_GREETING, REPLY_QUESTION, REPLY_OTHER, "", "  ", "Yes.",
            "one two three four five six seven eight",
            "one two three four five six seven eight nine",
            "Good question. I am a small model, so my answers answers are.", "OK, I understand.one."]
+
+
+def sentiment(text: str) -> bool | None:
+    """Whether ``text`` holds the users' approval (True), a complaint (False) or neither."""
+    low = text.lower()
+    said = {ok for ok in (True, False)
+            if any(w.lower() in low for w in PHRASINGS["users"].words(ok))}
+    assert len(said) < 2, text
+    return said.pop() if said else None
 
 
 def verdict(text: str) -> int:
@@ -40,18 +49,19 @@ def test_brief_preference_on_the_canned_replies():
         get_preference("verbose")
 
 
-def test_feedback_is_read_by_the_heuristic_judge_as_the_preference_says():
+def test_feedback_follows_the_preference_and_says_what_was_wrong():
     pref, rng = BriefReplies(), random.Random(0)
+    words = PHRASINGS[pref.phrasing]
+    assert pref.phrasing == "users"  # the wording no judge is trained on
     for i in range(400):
         reply = REPLIES[i % len(REPLIES)]
         ok = pref.satisfied(reply)
         feedback = pref.feedback(reply, ok, rng)
-        _, request = make_request(rng)
-        want = 1 if ok else -1
-        assert verdict(feedback) == want, feedback  # the closing message: feedback alone
-        assert verdict(follow_up(feedback, request)) == want, (feedback, request)
-        if not ok:  # a correction says what was wanted
-            assert any(w in feedback.lower() for w in ("short", "word", "brief")), feedback
+        assert sentiment(feedback) == ok, feedback
+        if not ok:
+            reason = "empty" if not reply.strip() else "long"
+            assert any(b.lower() in feedback.lower() for b in words.negative_bodies[reason]), \
+                (reply, feedback)
 
 
 def test_every_request_is_neutral_to_the_judge():
@@ -173,7 +183,8 @@ async def test_a_session_sends_feedback_then_the_next_request_and_ends_with_done
     assert [m["role"] for m in last] == ["system"] + ["user", "assistant"] * 3 + ["user"]
     assert [m["content"] for m in last if m["role"] == "assistant"] == replies[:3]  # verbatim
     users = [m["content"] for m in last if m["role"] == "user"]
-    assert [verdict(u) for u in users] == [0, -1, 1, 1]  # the judge reads each reply's fate
+    # each next message says the last reply's fate (the first is a request alone)
+    assert [sentiment(u) for u in users] == [None, False, True, True], users
     assert users == [i.request for i in out]
     assert bodies[0]["temperature"] == 1.0 and bodies[0]["max_tokens"] == 48
     assert satisfaction_rate(out) == pytest.approx(2 / 3)

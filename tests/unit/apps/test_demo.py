@@ -26,3 +26,16 @@ def test_demo_seeds_aggregate_rises_with_standard_errors(tmp_path):
     assert agg["eval_pool"] == "test" and agg["runs"] == 3
     plot_demo_seeds(agg, tmp_path / "d.png")
     assert (tmp_path / "d.png").stat().st_size > 10_000
+
+
+def test_the_demo_judge_decides_how_its_users_word_their_reactions():
+    from clawray.apps.demo import JUDGE, judge_description, users_phrasing, with_judge
+    from clawray.config import ClawRayConfig
+
+    heuristic = with_judge(ClawRayConfig(), "heuristic")
+    assert JUDGE == "heuristic" and users_phrasing(heuristic) == "keywords"
+    assert judge_description(heuristic).endswith("rules:heuristic_judge")
+    served = ClawRayConfig().judge(backend="server", model_path="/models/judge")
+    assert users_phrasing(served) == "users" and "/models/judge (m=3" in judge_description(served)
+    with pytest.raises(ValueError, match="unknown demo judge 'oracle'"):
+        with_judge(ClawRayConfig(), "oracle")

@@ -97,7 +97,7 @@ def cmd_rm_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_judge_sft(args: argparse.Namespace) -> int:
-    from clawray.training.judge_sft import run_judge_sft
+    from clawray.sim.judge_sft import run_judge_sft
 
     cfg = apply_sets(load_config(args.config), args.set).validate()
     _prebuild(cfg)

@@ -88,7 +88,7 @@ def with_judge(cfg: ClawRayConfig, judge: str, log: Any = print) -> ClawRayConfi
         return cfg.copy_with(judge={"backend": "function"})
     if judge != "model":
         raise ValueError(f"unknown demo judge {judge!r}: 'model' or 'heuristic'")
-    from clawray.training.judge_sft import run_judge_sft
+    from clawray.sim.judge_sft import run_judge_sft
 
     t0 = time.monotonic()
     # The judge's own settings on the default learner (not the demo's): the same cache entry

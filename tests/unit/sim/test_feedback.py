@@ -10,7 +10,7 @@ import pytest
 
 from clawray.sim.feedback import PHRASING_NAMES, PHRASINGS, REASONS, familiar, react
 from clawray.sim.preferences import BriefReplies
-from clawray.training.judge_sft import (SPLITS, draw_reply, heuristic_accuracy, judge_examples,
+from clawray.sim.judge_sft import (SPLITS, draw_reply, heuristic_accuracy, judge_examples,
                                         label_metrics, reason_of)
 
 
@@ -86,7 +86,7 @@ def test_the_keywords_pool_is_what_the_heuristic_judge_reads():
 
 def _keyword_examples():
     from clawray.judging.prompts import TurnContext
-    from clawray.training.judge_sft import JudgeExample
+    from clawray.sim.judge_sft import JudgeExample
 
     rng = random.Random(3)
     for i in range(300):

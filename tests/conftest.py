@@ -14,16 +14,34 @@ RLA_WARM_STARTS = pytest.StashKey[tuple]()  # (the background build, its log fil
 RLA_WARM_STARTS_CMD = ["-m", "clawray.apps.cli", "rla-table", "--scale", "small", "--warm-starts-only"]
 
 
+# The live learning test measures how much a live loop learns in 40 steps; it runs alone,
+# before the background build starts (a busy CPU changes which turns form each batch).
+QUIET_TESTS = ("test_demo_learning_on_cpu.py",)
+RLA_BUILD_WANTED = pytest.StashKey[bool]()
+
+
 def pytest_collection_finish(session):
     """The RLAnything notebook runs Table 1 small from warm starts that take minutes of SFT
-    to build (then cached). When it is among the tests, build them from the start in the
-    background at the lowest CPU priority (``nice 19``): the tests before it mostly wait on
-    Ray, so they lend it their idle cores and barely notice; the notebook's test waits for it
+    to build (then cached). When it is among the tests, build them in the background at the
+    lowest CPU priority (``nice 19``) from the first test that is not a quiet one
+    (``QUIET_TESTS``) on: the tests before the notebook mostly wait on Ray, so they lend it
+    their idle cores and barely notice; the notebook's test waits for it
     (``rla_warm_starts``)."""
     config = session.config
-    if config.option.collectonly or not any(RLA_NOTEBOOK_TEST in i.nodeid
-                                            for i in session.items):
+    config.stash[RLA_BUILD_WANTED] = not config.option.collectonly and any(
+        RLA_NOTEBOOK_TEST in i.nodeid for i in session.items)
+
+
+def pytest_runtest_setup(item):
+    config = item.config
+    if not config.stash.get(RLA_BUILD_WANTED, False) or RLA_WARM_STARTS in config.stash:
         return
+    if any(q in item.nodeid for q in QUIET_TESTS):
+        return
+    _start_rla_build(config)
+
+
+def _start_rla_build(config) -> None:
     import subprocess
     import sys
     import tempfile

@@ -37,7 +37,6 @@ Writes ``bench/results/learner.json`` and ``bench/results/learner.png`` and prin
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -46,9 +45,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"

@@ -105,6 +105,7 @@ def cmd_judge_sft(args: argparse.Namespace) -> int:
                            m=args.m)
     info = result.info
     print(f"clawray judge-sft: {'cached' if result.cached else 'trained'} {result.path}")
+
     def line(m: dict) -> str:
         return (f"balanced acc {m['balanced_acc']:.3f} (p+ {m['p_plus']:.2f}, p- "
                 f"{m['p_minus']:.2f}, p0 {m['p_zero']:.2f})")

@@ -34,7 +34,6 @@ words) apart.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import json
@@ -45,18 +44,17 @@ from typing import Any
 
 from clawray.config import ClawRayConfig
 from clawray.envs.rollout import render_prompt
-from clawray.inference.engine import SamplingParams
-from clawray.inference.factory import make_engine
 from clawray.judging.parse import parse_vote
 from clawray.judging.prompts import TurnContext, build_prm_prompt
 from clawray.judging.rules import classify_next_state
 from clawray.models.chat_template import IM_END
 from clawray.models.corpus import REPLY_GREETING, REPLY_OTHER, REPLY_QUESTION, sentence
-from clawray.models.loader import ModelInfo, load_tokenizer, policy_model_info, resolve_model_path
+from clawray.models.loader import load_tokenizer, policy_model_info, resolve_model_path
 from clawray.samples import make_row
 from clawray.sim.feedback import familiar, react
 from clawray.sim.preferences import BriefReplies, reason_of
 from clawray.sim.users import SYSTEM_PROMPT, make_request
+from clawray.training.evaluate import sampled_votes
 from clawray.training.sft import (SFTResult, cached_result, files_digest, learner_settings,
                                   save_result, train_sft)
 
@@ -193,26 +191,9 @@ def judge_accuracy(model_path: str | Path, cfg: ClawRayConfig, examples: list[Ju
                    max_tokens: int = 24) -> dict[str, Any]:
     """``m`` sampled votes per example from the model at ``model_path`` (one engine call with
     ``n=m``, seeded ``seed + i``), majority against the labels (``label_metrics``)."""
-    tokenizer = load_tokenizer(model_path)
-
-    async def main() -> list[list[int | None]]:
-        engine = make_engine(cfg.model_cfg, cfg.inference_cfg, ModelInfo.from_path(model_path))
-        slots = asyncio.Semaphore(cfg.inference_cfg.max_running)
-
-        async def vote(i: int, ex: JudgeExample) -> list[int | None]:
-            ids = render_prompt(tokenizer, build_prm_prompt(ex.ctx), None)
-            params = SamplingParams(n=m, temperature=temperature, max_tokens=max_tokens,
-                                    seed=seed + i)
-            async with slots:
-                outs = await engine.generate(ids, params)
-            return [parse_vote(tokenizer.decode(o.token_ids, skip_special_tokens=True))
-                    for o in outs]
-        try:
-            return list(await asyncio.gather(*(vote(i, e) for i, e in enumerate(examples))))
-        finally:
-            await engine.shutdown()
-
-    return split_metrics(examples, asyncio.run(main()))
+    votes = sampled_votes(model_path, cfg, [build_prm_prompt(e.ctx) for e in examples], m,
+                          temperature, seed, max_tokens, parse_vote)
+    return split_metrics(examples, votes)
 
 
 def judge_sft_key(base: Path, cfg: ClawRayConfig, settings: dict[str, Any]) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -85,6 +85,34 @@ def held_out_success(trainer: Any, cfg: ClawRayConfig, tasks: list[Any]) -> dict
 # ------------------------------------------------------- step reward model accuracy
 
 
+def sampled_votes(model_path: str | Path, cfg: ClawRayConfig,
+                  messages: list[list[dict[str, Any]]], m: int, temperature: float, seed: int,
+                  max_tokens: int, parse: Callable[[str], int | None]) -> list[list[int | None]]:
+    """``m`` sampled answers per judge prompt (``messages[i]``, chat-templated as serving
+    templates it) from the model at ``model_path``: one engine call with ``n=m`` per prompt,
+    seeded ``seed + i``, each answer decoded and ``parse``d (None: no verdict)."""
+    tokenizer = load_tokenizer(model_path)
+
+    async def main() -> list[list[int | None]]:
+        engine = make_engine(cfg.model_cfg, cfg.inference_cfg, ModelInfo.from_path(model_path))
+        slots = asyncio.Semaphore(cfg.inference_cfg.max_running)
+
+        async def vote(i: int, prompt: list[dict[str, Any]]) -> list[int | None]:
+            ids = render_prompt(tokenizer, prompt, None)
+            params = SamplingParams(n=m, temperature=temperature, max_tokens=max_tokens,
+                                    seed=seed + i)
+            async with slots:
+                outs = await engine.generate(ids, params)
+            return [parse(tokenizer.decode(o.token_ids, skip_special_tokens=True))
+                    for o in outs]
+        try:
+            return list(await asyncio.gather(*(vote(i, p) for i, p in enumerate(messages))))
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())
+
+
 def rm_step_accuracy(model_path: str | Path, cfg: ClawRayConfig, contexts: list[StepContext],
                      m: int = 3, temperature: float = 0.8, seed: int = 0) -> dict[str, Any]:
     """Score each step ``m`` times with the RM at ``model_path`` (one engine call with ``n=m``
@@ -95,28 +123,10 @@ def rm_step_accuracy(model_path: str | Path, cfg: ClawRayConfig, contexts: list[
     (unparseable scorings count for neither side; a tie is wrong); ``unparseable``: share of
     all scorings without a verdict; ``plus_acc`` / ``minus_acc``: ``step_acc`` over progress /
     no-progress steps only (an RM that always says -1 scores well on ``step_acc`` alone)."""
-    tokenizer = load_tokenizer(model_path)
     window = cfg.environments_cfg.history_window
-    max_tokens = cfg.rlanything_cfg.max_tokens
-
-    async def main() -> list[list[int | None]]:
-        engine = make_engine(cfg.model_cfg, cfg.inference_cfg, ModelInfo.from_path(model_path))
-        slots = asyncio.Semaphore(cfg.inference_cfg.max_running)
-
-        async def score(i: int, ctx: StepContext) -> list[int | None]:
-            ids = render_prompt(tokenizer, step_rm_request(ctx, window).messages, None)
-            params = SamplingParams(n=m, temperature=temperature, max_tokens=max_tokens,
-                                    seed=seed + i)
-            async with slots:
-                outs = await engine.generate(ids, params)
-            return [parse_step_score(tokenizer.decode(o.token_ids, skip_special_tokens=True))
-                    for o in outs]
-        try:
-            return list(await asyncio.gather(*(score(i, c) for i, c in enumerate(contexts))))
-        finally:
-            await engine.shutdown()
-
-    scores = asyncio.run(main())
+    scores = sampled_votes(model_path, cfg, [step_rm_request(c, window).messages
+                                             for c in contexts],
+                           m, temperature, seed, cfg.rlanything_cfg.max_tokens, parse_step_score)
     return step_accuracy([c.progress for c in contexts], scores)
 
 

@@ -43,6 +43,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from clawray.files import fsync_dir
+from clawray.files import write_atomic as _write_atomic
 from clawray.samples import SCHEMA, SampleValidationError, concat, rows_to_batch, validate_batch
 
 logger = logging.getLogger(__name__)
@@ -120,27 +122,6 @@ class _OnDisk:
 
     def pending_versions(self) -> np.ndarray:
         return self.versions[self.start:] if self.keep is None else self.versions[self.keep]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(final: Path, write: Callable[[Any], None]) -> int:
-    """Write through a hidden temp file in the same folder, fsync it, rename, fsync the folder."""
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-        size = f.tell()
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-    return size
 
 
 def read_segment(path: str | Path, seq: int) -> pa.RecordBatch:
@@ -623,7 +604,7 @@ class SampleBufferCore:
             del self._segments[seq]
             deleted.append(seq)
         if deleted:
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
             logger.info("retention: deleted %d consumed segments (%d..%d)", len(deleted),
                         deleted[0], deleted[-1])
         return deleted

@@ -31,8 +31,6 @@ import collections
 import json
 import logging
 import math
-import os
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -42,28 +40,12 @@ import numpy as np
 from clawray.curriculum.samplers import (TaskSampler, difficulty_histogram, make_sampler,
                                          sampler_from_state)
 from clawray.envs import Task, make_family
+from clawray.files import write_json_atomic
 from clawray.envs.base import SubBox
 
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-
-
-def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> str:
-    """``obj`` as JSON at ``path`` via a temp file in the same folder and ``os.replace``."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return str(p)
 
 
 class Curriculum:

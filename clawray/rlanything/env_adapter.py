@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from clawray.config import JudgeConfig
-from clawray.curriculum.core import write_json_atomic
+from clawray.files import write_json_atomic
 from clawray.envs import EnvError, Task, TaskFamily, make_family
 from clawray.envs.base import Direction, SubBox
 from clawray.envs.llm_rewrite import with_llm_rewrite

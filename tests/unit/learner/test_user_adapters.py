@@ -1,0 +1,127 @@
+"""Per-user adapters (clawray/learner/adapters.py) on one LoRA learner: a user's rows train only
+that user's adapter (every other user's stored state stays byte-identical), each user's policy
+is what their own updates made it, a new user starts at the base policy, deletion forgets."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pyarrow as pa
+import pytest
+import torch
+
+from clawray.config import TrainingConfig
+from clawray.learner.adapters import AdapterStore, UserAdapters, user_slug
+from clawray.learner.learner import LearnerCore, init_distributed
+from tests.support.common import free_port
+from tests.support.learner_data import sampled_rows
+
+
+def of_user(table: pa.Table, user: str) -> pa.Table:
+    return table.set_column(table.schema.get_field_index("user"), "user",
+                            pa.array([user] * table.num_rows, pa.string()))
+
+
+@pytest.fixture(scope="module")
+def rows(tiny_model_path) -> pa.Table:
+    return sampled_rows(tiny_model_path, 8, seed=5, max_new=10)
+
+
+@pytest.fixture(scope="module")
+def make_bank(tiny_model_path):
+    init_distributed(0, 1, "127.0.0.1", free_port())
+
+    def make(root, **kw) -> UserAdapters:
+        cfg = TrainingConfig(**{"lr": 1e-2, "lora_rank": 4, "lora_alpha": 8, "zero_stage": 0,
+                                **kw})
+        return UserAdapters(LearnerCore(tiny_model_path, cfg), AdapterStore(root))
+
+    return make
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_users_rows_train_only_that_users_adapter(make_bank, rows, tmp_path):
+    bank = make_bank(tmp_path / "adapters")
+    base = bank.logprobs("new-user", rows)
+    bank.update("alice", of_user(rows, "alice"))
+    bank.update("bob", of_user(rows.slice(0, 4), "bob"))
+    bob_file = bank.store.path("bob")
+    bob_bytes, bob_lp = digest(bob_file), bank.logprobs("bob", rows)
+
+    for _ in range(2):  # alice trains on: bob's stored adapter is not touched
+        out = bank.update("alice", of_user(rows, "alice"))
+    assert out["version"] == 3 and bank.version("bob") == 1
+    assert digest(bob_file) == bob_bytes
+    # bob's policy is still exactly what his one update made it, after alice used the slot
+    assert bank.logprobs("bob", rows) == bob_lp
+    alice_lp = bank.logprobs("alice", rows)
+    moved = max(abs(a - b) for x, y in zip(alice_lp, bob_lp) for a, b in zip(x, y))
+    assert moved > 1e-3
+    # a user who never trained is served the base policy (a fresh adapter is B = 0)
+    assert bank.logprobs("carol", rows) == base
+    assert not bank.store.exists("carol")
+
+    metas = {m["user"]: m for m in bank.store.users()}
+    assert set(metas) == {"alice", "bob"}
+    assert metas["alice"]["rows_trained"] == 3 * rows.num_rows and metas["bob"]["rows_trained"] == 4
+    # folder names are fingerprints, not the user ids
+    assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == \
+        sorted([user_slug("alice"), user_slug("bob")])
+
+
+def test_a_users_training_resumes_from_their_own_optimizer_state(make_bank, rows, tmp_path):
+    """Two updates of one user with another user's update in between give the same adapter
+    as the two updates back to back: weights and AdamW moments travel with the user."""
+    a = make_bank(tmp_path / "a")
+    a.update("alice", of_user(rows, "alice"))
+    a.update("bob", of_user(rows.slice(0, 4), "bob"))
+    a.update("alice", of_user(rows, "alice"))
+    b = make_bank(tmp_path / "b")
+    b.update("alice", of_user(rows, "alice"))
+    b.update("alice", of_user(rows, "alice"))
+    wa, wb = a.store.load("alice")["weights"], b.store.load("alice")["weights"]
+    assert set(wa) == set(wb) and len(wa) > 0
+    worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    assert worst < 1e-6
+    # and the second update did use the first one's moments (a fresh optimizer differs)
+    c = make_bank(tmp_path / "c")
+    c.update("alice", of_user(rows, "alice"))
+    c.optimizer.state.clear()
+    c.update("alice", of_user(rows, "alice"))
+    wc = c.store.load("alice")["weights"]
+    assert max(float((wc[k] - wb[k]).abs().max()) for k in wc) > 1e-4
+
+
+def test_rows_of_another_user_are_refused_and_delete_forgets(make_bank, rows, tmp_path):
+    bank = make_bank(tmp_path / "adapters")
+    mixed = pa.concat_tables([of_user(rows.slice(0, 2), "alice"), of_user(rows.slice(2, 2), "bob")])
+    with pytest.raises(ValueError, match="rows of other users"):
+        bank.update("alice", mixed)
+    assert not bank.store.exists("alice")  # nothing trained, nothing written
+    bank.update("alice", of_user(rows, "alice"))
+    base = make_bank(tmp_path / "other").logprobs("x", rows)
+    assert bank.delete("alice") and not bank.store.exists("alice")
+    assert bank.store.users() == [] and bank.version("alice") == 0
+    assert bank.logprobs("alice", rows) == base  # back to a fresh adapter
+    assert bank.delete("alice") is False
+
+
+def test_per_user_adapters_need_lora_at_stage_zero(make_bank, tmp_path):
+    with pytest.raises(ValueError, match="need LoRA"):
+        make_bank(tmp_path / "a", lora_rank=0)
+    with pytest.raises(ValueError, match="ZeRO stage 0"):
+        make_bank(tmp_path / "b", zero_stage=1)
+    with pytest.raises(ValueError, match="user id"):
+        AdapterStore(tmp_path / "c").path("")
+
+
+def test_the_payload_is_the_users_adapter(make_bank, rows, tmp_path):
+    bank = make_bank(tmp_path / "adapters")
+    bank.update("alice", of_user(rows, "alice"))
+    pa_, pf = bank.payload("alice"), bank.payload("fresh")
+    assert pa_["modules"].keys() == pf["modules"].keys()
+    assert all(torch.count_nonzero(m["B"]) == 0 for m in pf["modules"].values())
+    assert any(torch.count_nonzero(m["B"]) > 0 for m in pa_["modules"].values())

@@ -42,8 +42,13 @@ class SamplingParams:
     # sampling. vLLM takes it as ``structured_outputs.structural_tag``; the transformers engine
     # compiles it with xgrammar. Built by clawray.serve.structured (JSON answers, tool calls).
     structural_tag: str | None = None
+    # The LoRA adapter to sample from (per-user policies: the engine's ``load_adapter``);
+    # None: the base (shared) policy.
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise ValueError(f"adapter must be a non-empty name or None, got {self.adapter!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:

@@ -130,6 +130,8 @@ class HFEngine:
         policy_version: int = 0,
         device: str | torch.device | None = None,
         model_name: str | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 64,
     ) -> None:
         sizes = {"max_running": max_running, "prefill_chunk": prefill_chunk, "max_batch": max_batch}
         for name, value in sizes.items():
@@ -159,6 +161,13 @@ class HFEngine:
         else:
             eos = resolve_eos_ids(model, tokenizer)
         self.eos_token_ids = eos
+        # Per-user policies: up to ``max_loras`` LoRA adapters resident, rows of different
+        # adapters decoded in one batch (clawray/inference/multi_lora.py); 0: none.
+        self._lora = None
+        if max_loras:
+            from clawray.inference.multi_lora import MultiLora
+
+            self._lora = MultiLora(model, max_loras=max_loras, max_rank=max_lora_rank)
         self._scheduler = Scheduler(
             model,
             device=self.device,
@@ -169,6 +178,7 @@ class HFEngine:
             prefill_chunk=prefill_chunk,
             max_batch=max_batch,
             policy_version=policy_version,
+            lora=self._lora,
         )
         self._closed = False
 
@@ -235,8 +245,10 @@ class HFEngine:
         grammar = None
         if params.structural_tag is not None:
             grammar = await asyncio.to_thread(self._grammar_factory, params.structural_tag)
+        if params.adapter is not None and self._lora is None:
+            raise EngineError("this engine serves no LoRA adapters (start it with max_loras > 0)")
         req, queue = self._request(prompt_ids, params=params, max_new=max_new, n=params.n,
-                                   grammar=grammar)
+                                   grammar=grammar, adapter=params.adapter)
         self._scheduler.submit(req)
         remaining = params.n
         try:
@@ -322,6 +334,55 @@ class HFEngine:
 
         await self._between_steps(swap)
 
+    async def load_adapter(self, name: str, payload: Any, version: int) -> list[str]:
+        """Serve ``name`` (a clawray LoRA payload) at ``version`` from the next step on,
+        replacing an adapter of that name; requests already running on it continue on the new
+        tensors and report ``policy_version_end``. Returns the adapters evicted to make room
+        (least recently used, none in use). A bad payload raises EngineError, changing nothing.
+        """
+        if self._lora is None:
+            raise EngineError("this engine serves no LoRA adapters (start it with max_loras > 0)")
+        from clawray.inference.multi_lora import LoraError
+
+        evicted: list[str] = []
+
+        def add() -> None:
+            try:
+                evicted.extend(self._lora.add(name, payload))
+            except LoraError as exc:
+                raise EngineError(str(exc)) from None
+            for gone in evicted:
+                self._scheduler.adapter_versions.pop(gone, None)
+            self._scheduler.adapter_versions[name] = int(version)
+
+        await self._between_steps(add)
+        return evicted
+
+    async def unload_adapter(self, name: str) -> bool:
+        """Forget adapter ``name`` (refused while requests run on it); False if not loaded."""
+        if self._lora is None:
+            return False
+        from clawray.inference.multi_lora import LoraError
+
+        removed: list[bool] = []
+
+        def remove() -> None:
+            try:
+                removed.append(self._lora.remove(name))
+            except LoraError as exc:
+                raise EngineError(str(exc)) from None
+            self._scheduler.adapter_versions.pop(name, None)
+
+        await self._between_steps(remove)
+        return removed[0]
+
+    def adapters(self) -> dict[str, int]:
+        """Resident adapters and the version each serves (least recently used first)."""
+        if self._lora is None:
+            return {}
+        versions = dict(self._scheduler.adapter_versions)
+        return {n: versions.get(n, 0) for n in self._lora.names()}
+
     async def pause(self) -> None:
         """Hold generation between steps (nothing is dropped); returns once no step runs."""
         self._scheduler.set_paused(True)
@@ -344,6 +405,8 @@ class HFEngine:
                 "device": str(self.device),
                 "steps": self._scheduler.steps,
                 "tokens_generated": self._scheduler.tokens_generated,
+                **({"adapters": self.adapters(), "max_loras": self._lora.max_loras}
+                   if self._lora is not None else {}),
             },
         )
 

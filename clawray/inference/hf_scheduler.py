@@ -16,12 +16,13 @@ callback (the engine wires it to ``loop.call_soon_threadsafe``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import torch
 
@@ -35,6 +36,9 @@ from clawray.inference.engine import (
 )
 from clawray.inference.kv_cache import KV, PaddedBatch, cache_keyword, cache_tensors, make_cache
 from clawray.inference.sampling import RowSampling, StopMatcher, make_generator, sample_rows
+
+if TYPE_CHECKING:
+    from clawray.inference.multi_lora import MultiLora
 
 logger = logging.getLogger(__name__)
 # Pushes one item to the request's consumer; False when the consumer's loop is gone.
@@ -82,6 +86,9 @@ class Request:
     scores: list[float] = dataclasses.field(default_factory=list)
     # Constrained decoding: makes one grammar.RowGrammar per completion (None: free sampling).
     grammar: Callable[[], object] | None = None
+    # The LoRA adapter this request runs on (None: the base policy); pinned while it runs.
+    adapter: str | None = None
+    pinned: bool = False
 
 
 class Scheduler:
@@ -99,8 +106,11 @@ class Scheduler:
         prefill_chunk: int,
         max_batch: int,
         policy_version: int,
+        lora: MultiLora | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
+        self.adapter_versions: dict[str, int] = {}  # per adapter, the version it serves
         self._cache_kw = cache_keyword(model)
         self.device = device
         self.eos_ids = eos_ids
@@ -265,6 +275,9 @@ class Scheduler:
         if req.done:
             return
         req.done = True
+        if req.pinned and self.lora is not None:
+            req.pinned = False
+            self.lora.unpin(req.adapter)
         req.kv = None
         for seq in req.seqs:
             seq.finished, seq.kv = True, None
@@ -297,6 +310,8 @@ class Scheduler:
                 req = self._prefilling.popleft()
                 try:
                     budget -= self._prefill_chunk(req, budget)
+                except EngineError as exc:  # the request's own fault (an unknown adapter)
+                    self._fail(req, exc)
                 except Exception as exc:
                     self._fail(req, EngineInternalError(f"prefill failed: {exc!r}"))
             self._prefill_time, self._decode_time = time.perf_counter() - started, 0.0
@@ -310,7 +325,12 @@ class Scheduler:
         After the last chunk the request starts decoding (or, for scoring, is answered).
         """
         if req.prefill_pos == 0:
-            req.policy_version = self.policy_version
+            if req.adapter is not None:
+                if self.lora is None or req.adapter not in self.lora:
+                    raise EngineError(f"adapter {req.adapter!r} is not loaded")
+                self.lora.pin(req.adapter)
+                req.pinned = True
+            req.policy_version = self._version(req)
         scoring = req.params is None
         # A scoring pass never needs the cache entry of its last id.
         feed_len = len(req.ids) - 1 if scoring else len(req.ids)
@@ -319,8 +339,9 @@ class Scheduler:
         keep = end - max(start, req.score_from - 1) if scoring else 1
         cache = make_cache(req.kv)
         inputs = torch.tensor([req.ids[start:end]], device=self.device)
-        out = self.model(input_ids=inputs, **{self._cache_kw: cache}, use_cache=True,
-                         logits_to_keep=max(keep, 1))
+        with self._rows([req.adapter]):
+            out = self.model(input_ids=inputs, **{self._cache_kw: cache}, use_cache=True,
+                             logits_to_keep=max(keep, 1))
         req.kv, req.prefill_pos = cache_tensors(cache), end
         if scoring and keep > 0:
             logp = torch.log_softmax(out.logits[0].float(), dim=-1)
@@ -397,16 +418,19 @@ class Scheduler:
         )
         padded = self._batch if same else None
         self._batch, self._batch_seqs = None, []  # a failed forward may leave it half-updated
+        rows = self._rows([s.req.adapter for s in batch])
         if len(batch) == 1:
             cache = make_cache(batch[0].kv)
-            out = self.model(input_ids=inputs, **{self._cache_kw: cache}, use_cache=True)
+            with rows:
+                out = self.model(input_ids=inputs, **{self._cache_kw: cache}, use_cache=True)
             return out.logits[:, -1], [cache_tensors(cache)]
         if padded is None:
             padded = PaddedBatch.stack([s.kv for s in batch], self.device)  # type: ignore[misc]
-        out = self.model(
-            input_ids=inputs, **{self._cache_kw: padded.cache}, attention_mask=padded.mask,
-            position_ids=padded.positions, use_cache=True,
-        )
+        with rows:
+            out = self.model(
+                input_ids=inputs, **{self._cache_kw: padded.cache}, attention_mask=padded.mask,
+                position_ids=padded.positions, use_cache=True,
+            )
         self._batch, self._batch_seqs = padded, batch
         return out.logits[:, -1], padded.stepped()
 
@@ -414,8 +438,9 @@ class Scheduler:
                 top: list[tuple[int, float]] | None = None) -> TokenDelta:
         """Record a sampled token and decide whether its completion is finished."""
         req = seq.req
+        now = self._version(req)
         delta = TokenDelta([token], [logprob], req.policy_version, index=seq.index,
-                           token_versions=[self.policy_version],
+                           token_versions=[now],
                            top_logprobs=[top] if top is not None else None)
         if req.done:  # failed earlier in this step; its consumer already has the error
             return delta
@@ -445,13 +470,25 @@ class Scheduler:
         if finish is None:
             seq.next_input = token
             return delta
-        if self.policy_version != req.policy_version:
-            delta.policy_version_end = self.policy_version
+        if now != req.policy_version:
+            delta.policy_version_end = now
         seq.finished, seq.kv = True, None
         self._release(req, 1)
         if all(s.finished for s in req.seqs):
             req.done = True
         return delta
+
+    def _version(self, req: Request) -> int:
+        """The version ``req``'s policy is at now: its adapter's, or the base weights'."""
+        if req.adapter is None:
+            return self.policy_version
+        return self.adapter_versions.get(req.adapter, 0)
+
+    def _rows(self, adapters: list[str | None]) -> ContextManager[None]:
+        """Run the next forward with each row on its adapter (a no-op without adapters)."""
+        if self.lora is None or all(a is None for a in adapters):
+            return contextlib.nullcontext()
+        return self.lora.rows(adapters)
 
     def _emit(self, req: Request, deltas: list[TokenDelta]) -> None:
         if not req.emit(deltas):

@@ -46,6 +46,7 @@ from clawray.inference.engine import (
     check_prompt_fits,
 )
 from clawray.inference.grammar import check_structural_tag
+from clawray.inference.multi_lora import LORA_FORMAT
 
 logger = logging.getLogger(__name__)
 
@@ -312,7 +313,6 @@ def completion_to_delta(completion: Any, *, version_start: int, version_now: int
 
 # ---------------------------------------------------------------------------- LoRA
 
-LORA_PAYLOAD_FORMAT = "clawray.lora/1"  # clawray/weights/sync.py's LoRA payload
 
 
 def peft_adapter(payload: Any, shapes: Mapping[str, tuple[list[int], str]]
@@ -325,8 +325,8 @@ def peft_adapter(payload: Any, shapes: Mapping[str, tuple[list[int], str]]
     Every module is checked against the model's weight ``shapes`` first: a bad payload raises
     EngineError and produces nothing.
     """
-    if not isinstance(payload, Mapping) or payload.get("format") != LORA_PAYLOAD_FORMAT:
-        raise EngineError(f"not a LoRA payload (expected format {LORA_PAYLOAD_FORMAT!r})")
+    if not isinstance(payload, Mapping) or payload.get("format") != LORA_FORMAT:
+        raise EngineError(f"not a LoRA payload (expected format {LORA_FORMAT!r})")
     modules = payload.get("modules")
     if not isinstance(modules, Mapping) or not modules:
         raise EngineError("the LoRA payload has no modules")

@@ -29,9 +29,9 @@ from typing import Any, ClassVar, Mapping
 import ray
 import torch
 
+from clawray.inference.multi_lora import LORA_FORMAT
 from clawray.weights.control import get_app_control
 
-LORA_FORMAT = "clawray.lora/1"
 
 
 class WeightSyncError(ValueError):

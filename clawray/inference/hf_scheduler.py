@@ -275,9 +275,7 @@ class Scheduler:
         if req.done:
             return
         req.done = True
-        if req.pinned and self.lora is not None:
-            req.pinned = False
-            self.lora.unpin(req.adapter)
+        self._unpin(req)
         req.kv = None
         for seq in req.seqs:
             seq.finished, seq.kv = True, None
@@ -476,7 +474,13 @@ class Scheduler:
         self._release(req, 1)
         if all(s.finished for s in req.seqs):
             req.done = True
+            self._unpin(req)
         return delta
+
+    def _unpin(self, req: Request) -> None:
+        if req.pinned and self.lora is not None:
+            req.pinned = False
+            self.lora.unpin(req.adapter)
 
     def _version(self, req: Request) -> int:
         """The version ``req``'s policy is at now: its adapter's, or the base weights'."""

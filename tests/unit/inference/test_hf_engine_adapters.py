@@ -43,6 +43,8 @@ async def test_each_request_samples_from_its_own_adapter_in_one_batch(tiny_qwen3
         sampled = await engine.generate(PROMPT, SamplingParams(max_tokens=16, seed=4,
                                                                 adapter="alice"))
         st = await engine.status()
+        # finished requests no longer hold their adapters
+        assert await engine.unload_adapter("bob") and engine.adapters() == {"alice": 3}
     for user, out in zip(users, outs):
         assert out[0].token_ids == want[user], user
     assert [o[0].policy_version for o in outs] == [3, 0, 7, 3, 7, 0]

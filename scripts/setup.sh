@@ -54,4 +54,14 @@ have = importlib.util.find_spec("vllm") is not None
 print(f"setup: transformers {transformers.__version__}; vLLM engine "
       f"{'available' if have else 'NOT available (inference.engine: hf only)'}")
 EOF
+# One-time builds the first run of anything needs (cached under ~/.cache, rebuilt if removed):
+# the embedded default model, and DeepSpeed's CPU communication op (a C++ compile).
+.venv/bin/python - <<'EOF'
+from deepspeed.comm.torch import build_shm_op
+
+from clawray.models.tiny import build_embedded_default
+
+print(f"setup: embedded model at {build_embedded_default()}")
+build_shm_op()
+EOF
 echo "$want" > "$stamp"

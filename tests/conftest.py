@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.common import API_KEY, OTHER_KEY, Served, free_port
+from tests.support.common import API_KEY, OTHER_KEY, RLA_NOTEBOOK_SCALE, Served, free_port
 
 RLA_NOTEBOOK_TEST = "test_rlanything_notebook"
 RLA_WARM_STARTS = pytest.StashKey[tuple]()  # (the background build, its log file)
-RLA_WARM_STARTS_CMD = ["-m", "clawray.apps.cli", "rla-table", "--scale", "small", "--warm-starts-only"]
+RLA_WARM_STARTS_CMD = ["-m", "clawray.apps.cli", "rla-table", "--scale", RLA_NOTEBOOK_SCALE,
+                       "--warm-starts-only"]
 
 
 # The live learning test measures how much a live loop learns in 40 steps; it runs alone,

@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="RL seeds")
     p.add_argument("--scale", choices=list(SCALES), default="full",
                    help="full: the measured table (~25 min per seed on 2 cores); small: short "
-                        "warm starts, 2 steps, small evaluations (a few minutes)")
+                        "warm starts, 2 steps, small evaluations (a few minutes); tiny: the "
+                        "machinery only, from 20-step warm starts (what CI runs)")
     p.add_argument("--steps", type=int, help="RLAnything steps per row (default: the scale's)")
     p.add_argument("--rows", default=",".join(ROWS), help="rows, comma-separated")
     p.add_argument("--eval-n", type=int,

@@ -87,3 +87,8 @@ class Served:
             if len(found) >= expected or time.time() > deadline:
                 return found
             time.sleep(0.1)
+
+
+# The RLAnything notebook's live section runs at the "tiny" scale in the suite (20-step warm
+# starts: the machinery, in minutes of CPU instead of a quarter of an hour); users run "small".
+RLA_NOTEBOOK_SCALE = "tiny"

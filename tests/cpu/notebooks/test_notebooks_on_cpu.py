@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.common import RLA_NOTEBOOK_SCALE
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
@@ -117,13 +119,15 @@ def test_curriculum_notebook_plots_alp_gmm_and_its_claims_hold():
 
 
 def test_rlanything_notebook_shows_theorem_1_step_advantages_adaptation_and_runs_table_1(
-        tiny_model_path, rla_warm_starts):
+        tiny_model_path, rla_warm_starts, monkeypatch):
     """Theorem 1 simulated against its bound, a worked step-reward example, the EnvAdapter
     keeping a simulated student's tasks at its frontier, Table 1's three rows run small through
     the real system (warm starts, Serve, runners, both learners), and the measured Table 1
     (read from docs/results, as `clawray rla-table` wrote it); the notebook's assertion cells
     check its claims."""
     assert "warm starts ready" in rla_warm_starts
+    # The live section at the scale whose warm starts tests/conftest.py built.
+    monkeypatch.setenv("CLAWRAY_RLA_NOTEBOOK_SCALE", RLA_NOTEBOOK_SCALE)
     nb = execute("rlanything.ipynb", timeout_s=2 * CELL_TIMEOUT_S)  # Table 1 small: minutes
     cells = code_cells(nb)
     assert all(c.execution_count for c in cells)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -102,6 +103,21 @@ class ServingConfig(_Section):
         if bad:
             raise ValueError(f"api_key_digests must be SHA-256 hex digests (64 characters): {bad}")
         return out
+
+    trusted_app_tenants: list[str] = Field(
+        default_factory=list, description="Tenant ids (`key-` + 12 hex digits, as "
+        "`clawray key-digest` prints them) of keys that front many end users: their requests "
+        "name the end user (OpenAI's `user` field or X-User-Id) whose own policy serves them. "
+        "Any other key's requests are served by that key's policy.")
+
+    @field_validator("trusted_app_tenants")
+    @classmethod
+    def _tenant_ids(cls, v: list[str]) -> list[str]:
+        bad = [t for t in v if not re.fullmatch(r"key-[0-9a-f]{12}", t)]
+        if bad:
+            raise ValueError(f"trusted_app_tenants must be tenant ids like key-0123456789ab "
+                             f"(`clawray key-digest` prints a key's): {bad[:3]}")
+        return v
     layout: Literal["colocated", "split"] = Field(
         "colocated",
         description=(

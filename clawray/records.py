@@ -59,6 +59,9 @@ class TurnRecord:
     # the client named; the session pipeline keys sessions by tenant, user and session id.
     tenant: str = "local"
     user: str | None = None
+    # Whose policy serves and learns from the turn (per-user policies): "<tenant>/<user>" for
+    # an end user a trusted app named, else the tenant (``session_meta.policy_user``).
+    policy_user: str | None = None
 
     def session_key(self) -> str:
         return session_key(self.tenant, self.user, self.session_id)

@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 if TYPE_CHECKING:  # torch is imported where tensors are made: producers and the buffer
     import torch  # actor never pack, and importing torch costs seconds per worker start
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"  # 2: policy_user; version-1 logs read it as null
 _VERSION_KEY = b"clawray.schema_version"
 
 KINDS = frozenset({"rl", "opd", "combine", "rm", "sft"})
@@ -43,6 +43,10 @@ SCHEMA = pa.schema(
         # older logs without these columns read them as null
         pa.field("tenant", pa.string()),
         pa.field("user", pa.string()),
+        # whose policy the row trains (per-user policies): the end user a trusted app named
+        # ("<tenant>/<user>"), else the key's tenant; null for rows of the shared policy (env,
+        # SFT) and in version-1 logs (``policy_user_of`` reads those as their tenant)
+        pa.field("policy_user", pa.string()),
         pa.field("turn", pa.int32()),
         pa.field("trajectory_id", pa.string()),
         pa.field("task_id", pa.string()),
@@ -398,3 +402,9 @@ def pack_sequences(data: pa.Table | pa.RecordBatch,
         loss = torch.from_numpy(loss_np)
     return PackedSequences(torch.from_numpy(out), torch.from_numpy(cu.astype(np.int32)),
                            torch.from_numpy(response), loss)
+
+
+def policy_user_of(table: pa.Table) -> pa.ChunkedArray:
+    """Each row's policy user: ``policy_user``, or for rows written before that column (schema
+    version 1) the key's ``tenant``; null for rows of no user (the shared policy's)."""
+    return pc.coalesce(table.column("policy_user"), table.column("tenant"))

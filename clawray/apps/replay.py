@@ -21,6 +21,7 @@ from clawray.apps.launch import start_serving
 from clawray.config import ClawRayConfig
 from clawray.models.loader import load_tokenizer, policy_model_info
 from clawray.records import read_jsonl_records
+from clawray.samples import SCHEMA
 from clawray.sessions.pipeline import attach_live_pipeline
 
 LS_TOOL = {
@@ -101,7 +102,7 @@ def _read_samples(cfg: ClawRayConfig, path: Path, session: str, expected: int,
     rows: list[dict[str, Any]] = []
     while time.time() < deadline:
         pipe.flush()
-        table = ds.dataset(str(path), format="parquet").to_table()
+        table = ds.dataset(str(path), format="parquet", schema=SCHEMA).to_table()
         rows = sorted((r for r in table.to_pylist() if r["session_id"] == session),
                       key=lambda r: r["turn"])
         if len(rows) >= expected:

@@ -18,13 +18,15 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from clawray.buffer.core import CHECKPOINT
+from clawray.samples import SCHEMA
 
 _MAX_LIST = 6  # lists longer than this print as "[N ids]" / "[N values]"
 _MAX_TEXT = 60
 
 
 def _dataset(path: str) -> ds.Dataset:
-    return ds.dataset(Path(path).expanduser(), format="parquet")
+    # the current schema: older logs' files read their newer columns as null
+    return ds.dataset(Path(path).expanduser(), format="parquet", schema=SCHEMA)
 
 
 def _counts(column: Any) -> dict[str, int]:

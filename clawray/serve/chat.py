@@ -30,6 +30,7 @@ from clawray.inference.engine import (
 )
 from clawray.records import RecordSink, TurnRecord
 from clawray.serve.detokenize import IncrementalDetokenizer, StopCutter, first_stop
+from clawray.serve.auth import LOCAL_TENANT
 from clawray.serve.protocol import APIError
 from clawray.serve.session_meta import SessionMeta, session_meta
 from clawray.serve.structured import structural_tag
@@ -136,12 +137,12 @@ class ChatService:
         messages, tools = req.messages, req.tools
         if req.prompt_ids is None:
             meta = session_meta(headers, req.session_fields, messages,
-                                self.cfg.default_turn_type, tenant)
+                                self.cfg.default_turn_type, tenant, self._trusted(tenant))
             prompt_ids, in_think = await asyncio.to_thread(self._template, messages, tools)
         else:  # a plain prompt: generated on as is, recorded as a side turn
             meta = dataclasses.replace(session_meta(
                 headers, req.session_fields, [{"role": "user", "content": req.prompt_text}],
-                self.cfg.default_turn_type, tenant), turn_type="side")
+                self.cfg.default_turn_type, tenant, self._trusted(tenant)), turn_type="side")
             prompt_ids, in_think = self._raw_prompt(req.prompt_ids), False
         parse_tools = bool(tools) and req.tool_choice.mode != "none"
         constraint = structural_tag(req.output_format, tools if parse_tools else None,
@@ -305,6 +306,10 @@ class ChatService:
         except Exception as e:  # noqa: BLE001 - every failure reaches the client as an API error
             raise api_error_of(e) from None
 
+    def _trusted(self, tenant: str) -> bool:
+        """May this key name the end user whose policy serves it (a trusted app, or no auth)?"""
+        return tenant == LOCAL_TENANT or tenant in self.cfg.trusted_app_tenants
+
     # ---------------------------------------------------------------- records
     def _record(self, turn: PreparedTurn, index: int, ids: list[int], logprobs: list[float],
                 finish: str, version: int, version_end: int | None, content: str | None,
@@ -333,6 +338,7 @@ class ChatService:
             started_at=turn.started_at,
             retry=turn.meta.retry,
             response_versions=list(versions),
+            policy_user=turn.meta.policy_user,
             tenant=turn.meta.tenant,
             user=turn.meta.user,
         )

@@ -17,6 +17,10 @@ Sources, first match wins (OpenClaw-RL's protocol plus OpenClaw's session-affini
   user regenerating a reply.
 - user: OpenAI's ``user`` body field or an ``X-User-Id`` header, for apps that serve many end
   users through one API key (a proxy): each user's sessions are a namespace of their own.
+- policy user (whose policy serves the turn and learns from it, per-user policies): the end user
+  (``"<tenant>/<user>"``) when the key is a trusted app's (``serving.trusted_app_tenants``, or
+  no auth at all), else the key's tenant: a key that is not trusted cannot pick another user's
+  policy by naming a user, it only namespaces its sessions.
 
 Namespaces: every session lives in the namespace of the request's tenant (its API key, see
 ``auth.py``) and user. The session pipeline keys sessions by ``SessionMeta.key`` (namespace +
@@ -47,6 +51,7 @@ class SessionMeta:
     retry: bool = False
     tenant: str = "local"
     user: str | None = None
+    policy_user: str = "local"
 
     @property
     def key(self) -> str:
@@ -60,6 +65,7 @@ def session_meta(
     messages: list[dict[str, Any]],
     default_turn_type: str,
     tenant: str = "local",
+    trusted_app: bool = False,
 ) -> SessionMeta:
     """Resolve the metadata of one request; ``headers`` must be case-insensitive."""
     candidates = [
@@ -93,7 +99,13 @@ def session_meta(
     done_raw = headers.get("x-session-done", body_fields.get("session_done", False))
     retry_count = str(headers.get("x-stainless-retry-count", "0")).strip()
     retry = (retry_count.isdigit() and int(retry_count) > 0) or _truthy(headers.get("x-retry", ""))
-    return SessionMeta(session_id, source, turn_type, _truthy(done_raw), retry, tenant, user)
+    return SessionMeta(session_id, source, turn_type, _truthy(done_raw), retry, tenant, user,
+                       policy_user_of(tenant, user, trusted_app))
+
+
+def policy_user_of(tenant: str, user: str | None, trusted_app: bool) -> str:
+    """Whose policy a request of ``tenant`` naming ``user`` is served by and trains."""
+    return f"{tenant}/{user}" if user and trusted_app else tenant
 
 
 def derive_session_key(messages: list[dict[str, Any]], tenant: str = "local",

@@ -61,6 +61,7 @@ def rows_of(fin: FinishedTurn, kinds: list[str], rules: SessionRules) -> list[di
         "session_id": rec.session_id,
         "tenant": rec.tenant,
         "user": rec.user,
+        "policy_user": rec.policy_user,
         "turn": fin.turn,
         "prompt_ids": rec.prompt_ids,
         "response_ids": rec.response_ids,

@@ -45,7 +45,7 @@ from clawray.learner.group import free_port
 from clawray.learner.learner import LearnerCore, init_distributed
 from clawray.models.chat_template import IM_END
 from clawray.models.loader import load_tokenizer, policy_model_info
-from clawray.samples import make_row, rows_to_batch
+from clawray.samples import SCHEMA, make_row, rows_to_batch
 from clawray.training.evaluate import evaluate_model
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def expert_rows(family: TaskFamily, tasks: list[Task], tokenizer: Any,
 
 def live_rows(path: str) -> list[dict[str, Any]]:
     """Recorded live turns with a positive reward, as ``sft`` rows."""
-    table = ds.dataset(Path(path).expanduser(), format="parquet").to_table()
+    table = ds.dataset(Path(path).expanduser(), format="parquet", schema=SCHEMA).to_table()
     out = []
     for r in table.to_pylist():
         if r["reward"] > 0 and r["kind"] in ("rl", "combine") and sum(r["loss_mask"]):

@@ -48,6 +48,14 @@ def test_keys_from_a_file_and_digests_count_as_keys(monkeypatch, tmp_path):
         ClawRayConfig().serving(api_key_digests=["abc"])
     with pytest.raises(ConfigError, match="cannot be read"):
         ClawRayConfig().serving(host="0.0.0.0", api_keys_file=str(tmp_path / "nope")).validate()
+    # trusted apps are named by tenant id (what `clawray key-digest` prints), never by key
+    from clawray.serve.auth import tenant_of_key
+
+    tenant = tenant_of_key("sk-app")
+    assert ClawRayConfig().serving(trusted_app_tenants=[tenant]).serving_cfg \
+        .trusted_app_tenants == [tenant]
+    with pytest.raises(ConfigError, match="tenant ids"):
+        ClawRayConfig().serving(trusted_app_tenants=["sk-app"])
 
 
 def test_deployments_receive_digests_never_keys(monkeypatch):

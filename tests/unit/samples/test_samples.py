@@ -26,7 +26,7 @@ def row(i: int = 0, n_prompt: int = 3, n_resp: int = 2, **over) -> dict:
 
 
 def test_schema_carries_its_version_in_metadata():
-    assert SCHEMA.metadata[b"clawray.schema_version"] == SCHEMA_VERSION.encode() == b"1"
+    assert SCHEMA.metadata[b"clawray.schema_version"] == SCHEMA_VERSION.encode() == b"2"
     required = {f.name for f in SCHEMA if not f.nullable}
     assert required == {"sample_id", "kind", "source", "prompt_ids", "response_ids",
                         "rollout_logprobs", "policy_version", "loss_mask", "reward"}
@@ -125,8 +125,8 @@ def test_empty_rows_make_an_empty_batch_with_the_schema():
 
 def test_validate_batch_rejects_another_schema_version():
     batch = rows_to_batch([row()])
-    other = batch.replace_schema_metadata({b"clawray.schema_version": b"2"})
-    with pytest.raises(SampleValidationError, match="schema version 2"):
+    other = batch.replace_schema_metadata({b"clawray.schema_version": b"3"})
+    with pytest.raises(SampleValidationError, match="schema version 3"):
         validate_batch(other)
     with pytest.raises(SampleValidationError, match="no clawray.schema_version"):
         validate_batch(batch.replace_schema_metadata({}))
@@ -260,3 +260,23 @@ def test_pack_sequences_concatenates_prompt_and_response_per_row():
 
 def test_module_has_no_ray_import():
     assert "ray" not in samples.__dict__
+
+
+def test_a_version_1_log_reads_with_its_tenant_as_policy_user(tmp_path):
+    """Version 2 added ``policy_user``; a version-1 file (no such column) still reads, the
+    column null, and ``policy_user_of`` falls back to the key's tenant."""
+    import pyarrow.parquet as pq
+
+    from clawray.samples import policy_user_of
+
+    rows = [row(0, tenant="key-aaaaaaaaaaaa", user="ann", policy_user="key-aaaaaaaaaaaa/ann"),
+            row(1, tenant="key-bbbbbbbbbbbb"), row(2)]
+    new = pa.Table.from_batches([rows_to_batch(rows)])
+    old = new.drop_columns(["policy_user"]).replace_schema_metadata(
+        {b"clawray.schema_version": b"1"})
+    pq.write_table(old, tmp_path / "v1.parquet")
+    back = pq.read_table(tmp_path / "v1.parquet", schema=SCHEMA)  # as the buffer reads segments
+    validate_batch(back)
+    assert back.column("policy_user").to_pylist() == [None, None, None]
+    assert policy_user_of(back).to_pylist() == ["key-aaaaaaaaaaaa", "key-bbbbbbbbbbbb", None]
+    assert policy_user_of(new).to_pylist() == ["key-aaaaaaaaaaaa/ann", "key-bbbbbbbbbbbb", None]

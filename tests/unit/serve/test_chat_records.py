@@ -104,3 +104,20 @@ async def test_logprobs_are_the_records_exactly_whole_and_streamed(tiny_tokenize
         assert [[a["logprob"] for a in e["top_logprobs"]] for e in content] == \
             [[v for _, v in top] for top in LogprobPolicy.TOP]
         assert all(e["bytes"] == list(e["token"].encode()) for e in content)
+
+
+async def test_the_record_names_whose_policy_served_it(tiny_tokenizer):
+    """A trusted app's end user, or else the key (tenant): per-user policies train from it."""
+    from clawray.serve.auth import tenant_of_key
+
+    app, other = tenant_of_key("sk-app"), tenant_of_key("sk-other")
+    sink = ListSink()
+    svc = ChatService(tiny_tokenizer, SwappingPolicy(), "m", 4096,
+                      ServingConfig(trusted_app_tenants=[app]), sink)
+    for tenant in (app, other):
+        req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                    max_tokens=4)
+        await complete(svc, await svc.prepare(to_turn_request(req, {"user": "ann"}),
+                                              {"x-session-id": "s"}, tenant))
+    assert [(r.tenant, r.user, r.policy_user) for r in sink.records] == [
+        (app, "ann", f"{app}/ann"), (other, "ann", other)]

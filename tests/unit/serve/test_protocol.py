@@ -147,3 +147,19 @@ def test_an_over_long_session_header_is_refused():
     with pytest.raises(APIError) as e:
         session_meta({"x-session-id": "x" * 501}, {}, [{"role": "user", "content": "x"}], "main")
     assert e.value.status == 400 and e.value.param == "session_id"
+
+
+def test_only_a_trusted_app_picks_the_end_users_policy():
+    """Per-user policies: a key marked a trusted app (or no auth) is served by the policy of
+    the end user it names; any other key by its own, whatever user it names (the user still
+    namespaces its sessions)."""
+    msgs = [{"role": "user", "content": "u"}]
+    untrusted = session_meta({"x-user-id": "ann"}, {}, msgs, "main", tenant="key-a")
+    assert (untrusted.user, untrusted.policy_user) == ("ann", "key-a")
+    trusted = session_meta({}, {"user": "ann"}, msgs, "main", tenant="key-a", trusted_app=True)
+    assert trusted.policy_user == "key-a/ann" and trusted.key == untrusted.key
+    assert session_meta({}, {}, msgs, "main", tenant="key-a", trusted_app=True).policy_user \
+        == "key-a"
+    # the same user name through another trusted app is another person
+    other = session_meta({}, {"user": "ann"}, msgs, "main", tenant="key-b", trusted_app=True)
+    assert other.policy_user == "key-b/ann"

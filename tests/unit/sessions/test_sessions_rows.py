@@ -50,6 +50,17 @@ def test_rl_reward_and_mask(f, reward, mask):
     rows_to_batch([row])  # a valid row of the schema
 
 
+def test_every_row_of_a_turn_names_whose_policy_served_it():
+    import dataclasses
+
+    rec = dataclasses.replace(record(), tenant="key-a", user="ann", policy_user="key-a/ann")
+    f = FinishedTurn(rec, 1, "judged", [{"role": "user", "content": "thanks"}],
+                     Verdict("judged", [1, 1, None], "hint", [-0.1, -0.2, -0.3]), judged_at=11.0)
+    rows = rows_of(f, ["rl", "opd", "combine"], RULES)
+    assert [(r["tenant"], r["user"], r["policy_user"]) for r in rows] == \
+        [("key-a", "ann", "key-a/ann")] * 3
+
+
 def test_a_rated_regenerated_turn_is_marked_feedback():
     (row,) = rows_of(fin("regenerated", outcome=1, outcome_scope="turn"), ["rl"], RULES)
     assert (row["judge_status"], row["outcome"], row["reward"]) == ("feedback", 1, 1.0)

@@ -10,7 +10,7 @@ demo: setup
 	.venv/bin/python -m clawray.apps.cli demo --out demo-output
 
 test: setup
-	.venv/bin/python -m pytest -q --durations=25
+	.venv/bin/python -m pytest -q --durations=40
 
 bench: setup
 	.venv/bin/python bench/serving.py

@@ -376,6 +376,9 @@ class TrainingConfig(_Section):
     sync_every: int = Field(1, ge=1, description="Push weights to serving every N updates.")
     sync_timeout_s: float = Field(120.0, gt=0)
     checkpoint_dir: str = Field("~/.cache/clawray/checkpoints")
+    user_adapters_dir: str = Field(
+        "~/.cache/clawray/users", description="Per-user policies: one LoRA adapter (and its "
+        "optimizer state) per user, a folder each (`clawray users list|export|delete`).")
     checkpoint_every: int = Field(0, ge=0, description="Save every N iterations; 0: only on "
                                   "request and at the end of fit().")
     metrics_path: str | None = Field(

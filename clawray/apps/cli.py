@@ -189,6 +189,35 @@ def cmd_key_digest(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_users(args: argparse.Namespace) -> int:
+    """Per-user adapters on disk: list them, export one as a PEFT folder, delete one."""
+    from clawray.learner.adapters import AdapterStore, export_peft, user_slug
+
+    folder = args.dir or apply_sets(load_config(args.config), args.set).training_cfg \
+        .user_adapters_dir
+    store = AdapterStore(folder)
+    if args.action == "list":
+        users = store.users()
+        for m in users:
+            print(f"{m['user']}\tversion {m['version']}\trows {m['rows_trained']}\t"
+                  f"{m['bytes'] / 1e6:.2f} MB")
+        print(f"clawray users: {len(users)} in {store.root}")
+        return 0
+    if not args.user:
+        raise ConfigError(f"`clawray users {args.action}` needs a user id")
+    if args.action == "export":
+        if not store.exists(args.user):
+            raise ConfigError(f"user {args.user!r} has no adapter in {store.root}")
+        out = export_peft(store, args.user, args.out or f"adapter-{user_slug(args.user)}")
+        print(f"clawray users: {args.user!r}'s adapter as a PEFT folder in {out}")
+        return 0
+    if not store.delete(args.user):
+        raise ConfigError(f"user {args.user!r} has no adapter in {store.root}")
+    print(f"clawray users: deleted {args.user!r}'s adapter and optimizer state "
+          "(their rows in the sample log are not deleted yet: docs/per_user.md)")
+    return 0
+
+
 def _prebuild(cfg: ClawRayConfig) -> None:
     """Build the embedded model in this process, with progress, before replicas need it."""
     if cfg.model_cfg.path.startswith("embedded:"):
@@ -214,6 +243,14 @@ def main(argv: list[str] | None = None) -> int:
                        "(for serving.api_key_digests: a YAML that holds no key); reads the "
                        "key from stdin")
     p.set_defaults(fn=cmd_key_digest)
+    p = sub.add_parser("users", help="per-user adapters on disk: list, export (PEFT), delete")
+    p.add_argument("action", choices=("list", "export", "delete"))
+    p.add_argument("user", nargs="?", help="the policy user (export, delete)")
+    p.add_argument("--dir", help="the adapters' folder (default: training.user_adapters_dir)")
+    p.add_argument("--out", help="export: the PEFT folder to write")
+    p.add_argument("-c", "--config", help="clawray YAML")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.set_defaults(fn=cmd_users)
     p = sub.add_parser("sft", help="warm-start the policy on expert demonstrations")
     p.add_argument("-c", "--config", help="clawray YAML (environments:, sft: sections)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -180,8 +180,10 @@ class UserAdapters:
             raise ValueError(f"update({user!r}) got rows of other users: "
                              f"{sorted(map(str, users - {user}))[:5]}")
         self.activate(user)
+        cfg = self.core.cfg
         meta = self.store.meta(user) or {"version": 0, "rows_trained": 0,
-                                         "created_at": time.time()}
+                                         "created_at": time.time(), "lora_rank": cfg.lora_rank,
+                                         "lora_alpha": cfg.lora_alpha}
         try:
             metrics = self.core.update(data)
         except BaseException:
@@ -218,6 +220,32 @@ class UserAdapters:
 
     def users(self) -> Iterator[str]:
         return iter(m["user"] for m in self.store.users())
+
+
+def export_peft(store: AdapterStore, user: str, dest: str | Path) -> Path:
+    """Write ``user``'s adapter as a PEFT folder (``adapter_config.json`` and
+    ``adapter_model.safetensors``): ``peft.PeftModel.from_pretrained(base, dest)`` and vLLM's
+    LoRA loading take it. Weights only; the optimizer state stays in the store."""
+    from safetensors.torch import save_file
+
+    state = store.load(user)
+    if state is None:
+        raise KeyError(f"user {user!r} has no adapter in {store.root}")
+    meta, tensors, targets = state["meta"], {}, set()
+    for name, t in state["weights"].items():
+        # base_model.model.<module>.lora_A.default.weight -> ...lora_A.weight (PEFT's file keys)
+        module, _, rest = name.partition(".lora_")
+        tensors[f"{module}.lora_{rest.split('.', 1)[0]}.weight"] = t.contiguous()
+        targets.add(module.rsplit(".", 1)[-1])
+    dest = Path(dest).expanduser()
+    dest.mkdir(parents=True, exist_ok=True)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(meta["lora_rank"]),
+              "lora_alpha": float(meta["lora_alpha"]), "target_modules": sorted(targets),
+              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False, "use_dora": False, "modules_to_save": None}
+    save_file(tensors, str(dest / "adapter_model.safetensors"))
+    (dest / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    return dest
 
 
 def _torch_optimizer(core: LearnerCore) -> torch.optim.Optimizer:

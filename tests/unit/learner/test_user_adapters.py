@@ -125,3 +125,47 @@ def test_the_payload_is_the_users_adapter(make_bank, rows, tmp_path):
     assert pa_["modules"].keys() == pf["modules"].keys()
     assert all(torch.count_nonzero(m["B"]) == 0 for m in pf["modules"].values())
     assert any(torch.count_nonzero(m["B"]) > 0 for m in pa_["modules"].values())
+
+
+def test_an_exported_adapter_loads_in_peft_as_the_users_policy(make_bank, rows, tmp_path,
+                                                              tiny_model_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from clawray.learner.adapters import export_peft
+    from clawray.learner.learner import packed_logprobs
+    from clawray.learner.batch import make_batch
+    from clawray.learner.losses import LossConfig
+
+    bank = make_bank(tmp_path / "adapters")
+    bank.update("alice", of_user(rows, "alice"))
+    want = bank.logprobs("alice", rows)
+    folder = export_peft(bank.store, "alice", tmp_path / "alice-peft")
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(folder)).eval()
+    with torch.no_grad():
+        lp = packed_logprobs(model, make_batch(rows, LossConfig()))[0].numpy()
+    got = [float(x) for x in lp]
+    flat = [x for r in want for x in r]
+    assert len(got) == len(flat) and max(abs(a - b) for a, b in zip(got, flat)) < 1e-4
+    with pytest.raises(KeyError, match="no adapter"):
+        export_peft(bank.store, "nobody", tmp_path / "x")
+
+
+def test_clawray_users_lists_exports_and_deletes(make_bank, rows, tmp_path, capsys):
+    from clawray.apps.cli import main
+
+    folder = tmp_path / "adapters"
+    bank = make_bank(folder)
+    bank.update("key-a/ann", of_user(rows, "key-a/ann"))
+    assert main(["users", "list", "--dir", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "key-a/ann\tversion 1\trows 8" in out and "1 in" in out
+    assert main(["users", "export", "key-a/ann", "--dir", str(folder),
+                 "--out", str(tmp_path / "peft")]) == 0
+    assert (tmp_path / "peft" / "adapter_model.safetensors").exists()
+    assert main(["users", "delete", "key-a/ann", "--dir", str(folder)]) == 0
+    assert bank.store.users() == []
+    capsys.readouterr()
+    assert main(["users", "delete", "key-a/ann", "--dir", str(folder)]) == 2
+    assert "has no adapter" in capsys.readouterr().err

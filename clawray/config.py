@@ -64,6 +64,10 @@ class InferenceConfig(_Section):
     max_lora_rank: int = Field(
         0, ge=0, description="vLLM serves LoRA adapters up to this rank (0: no LoRA); LoRA "
         "training (training.lora_rank > 0) with vLLM needs it >= the adapters' rank.")
+    max_loras: int = Field(
+        0, ge=0, description="Per-user policies: LoRA adapters served side by side (the "
+        "transformers engine keeps this many resident, least recently used evicted; vLLM "
+        "batches this many at once and needs max_lora_rank > 0). 0: none (vLLM: 2).")
     tensor_parallel_size: int = Field(1, ge=1)
     enforce_eager: bool = False
     weight_transfer: Literal["files", "nccl"] = Field(

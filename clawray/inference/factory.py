@@ -43,6 +43,8 @@ def make_engine(model: ModelConfig, inference: InferenceConfig, info: "ModelInfo
             prefill_chunk=inference.prefill_chunk,
             dtype=model.dtype,
             device=model.device,
+            max_loras=inference.max_loras,
+            max_lora_rank=inference.max_lora_rank or 64,
         )
     if engine == "vllm":
         from clawray.inference.vllm_engine import VLLMEngine
@@ -62,6 +64,7 @@ def make_engine(model: ModelConfig, inference: InferenceConfig, info: "ModelInfo
             enable_prefix_caching=inference.enable_prefix_caching,
             enable_lora=inference.max_lora_rank > 0,
             max_lora_rank=max(inference.max_lora_rank, 1),
+            max_loras=inference.max_loras or 2,
             weight_transfer=inference.weight_transfer,
         )
     if engine == "fixed_latency":

@@ -179,6 +179,7 @@ class ChatService:
             repetition_penalty=req.repetition_penalty,
             logit_bias=tuple(sorted(req.logit_bias.items())),
             structural_tag=constraint,
+            adapter=self._adapter_of(meta),
         )
         return PreparedTurn(
             request_id=f"{req.id_prefix}{uuid.uuid4().hex}",
@@ -305,6 +306,14 @@ class ChatService:
             return await coro
         except Exception as e:  # noqa: BLE001 - every failure reaches the client as an API error
             raise api_error_of(e) from None
+
+    def _adapter_of(self, meta: SessionMeta) -> str | None:
+        """The policy user's own adapter when this replica's engine serves one (per-user
+        policies, colocated layout); else None: the shared policy."""
+        adapters = getattr(self.policy, "adapters", None)
+        if not callable(adapters):
+            return None
+        return meta.policy_user if meta.policy_user in adapters() else None
 
     def _trusted(self, tenant: str) -> bool:
         """May this key name the end user whose policy serves it (a trusted app, or no auth)?"""

@@ -76,6 +76,11 @@ class LocalPolicy:
         status.extra["sessions"] = self.sessions.top()
         return status
 
+    def adapters(self) -> dict[str, int]:
+        """Per-user adapters the engine serves now (name -> version)."""
+        adapters = getattr(self.engine, "adapters", None)
+        return adapters() if callable(adapters) else {}
+
 
 class HandlePolicy:
     """A PolicyServer deployment behind a Serve handle."""

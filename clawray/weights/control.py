@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from typing import Any
 
 import ray
@@ -58,6 +59,13 @@ class AppControl:
         self.replicas: dict[str, dict[str, Any]] = {}
         self._state_event = asyncio.Event()  # set (and replaced) on a new version or switch
         self._replica_event = asyncio.Event()  # set (and replaced) on any replica update
+        # Per-user adapters (per-user policies): user -> {"version", "box", "seq"}; a deleted
+        # user's entry has version and box None. ``adapter_seq`` counts changes; ``epoch``
+        # tells a replica this actor restarted (it then re-reads every adapter; the trainer
+        # republishes what it trains next, the adapters on disk are the record).
+        self.adapters: dict[str, dict[str, Any]] = {}
+        self.adapter_seq = 0
+        self.epoch = uuid.uuid4().hex
 
     # ---- learner / operator side ------------------------------------------------------------
 
@@ -73,6 +81,51 @@ class AppControl:
         self.published_at = time.time()
         self._wake_state()
         return {"version": version, "kind": kind}
+
+    async def publish_adapter(self, user: str, version: int, payload_box: list) -> dict[str, Any]:
+        """Make ``payload_box[0]`` (an ObjectRef: a LoRA payload) ``user``'s adapter at
+        ``version``; replicas load it beside the others (``engine.load_adapter``)."""
+        old = self.adapters.get(user, {}).get("version") or 0
+        if version <= old:
+            raise ValueError(f"app '{self.app_name}': adapter {user!r} version {version} is not "
+                             f"newer than the published {old}")
+        if not (isinstance(payload_box, list) and len(payload_box) == 1
+                and isinstance(payload_box[0], ray.ObjectRef)):
+            raise TypeError("payload_box must be a one-element list holding an ObjectRef")
+        self.adapter_seq += 1
+        self.adapters[user] = {"version": version, "box": payload_box, "seq": self.adapter_seq}
+        self._wake_state()
+        return {"user": user, "version": version}
+
+    async def delete_adapter(self, user: str) -> bool:
+        """Replicas stop serving ``user``'s adapter (their requests fall back to the base)."""
+        if self.adapters.get(user, {}).get("version") is None:
+            return False
+        self.adapter_seq += 1
+        self.adapters[user] = {"version": None, "box": None, "seq": self.adapter_seq}
+        self._wake_state()
+        return True
+
+    async def wait_adapter(self, user: str, version: int | None, timeout_s: float = 60.0,
+                           min_replicas: int = 1) -> dict[str, int | None]:
+        """Wait until every live weight replica (at least ``min_replicas``) serves ``user``'s
+        adapter at ``version`` or newer (None: no longer serves it)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            live = self._live(weights=True)
+            have = {rid: r.get("adapters", {}).get(user) for rid, r in live.items()}
+            if version is None:
+                lagging = {rid: v for rid, v in have.items() if v is not None}
+            else:
+                lagging = {rid: v for rid, v in have.items() if v is None or v < version}
+            if len(live) >= min_replicas and not lagging:
+                return have
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"app '{self.app_name}': after {timeout_s:g}s, adapter "
+                                   f"{user!r} version {version}: lagging {lagging or 'none'}, "
+                                   f"{len(live)} live of at least {min_replicas}")
+            await self._wait(self._replica_event, min(remaining, 0.5))
 
     async def set_collecting(self, enabled: bool) -> bool:
         if bool(enabled) != self.collecting:
@@ -121,6 +174,8 @@ class AppControl:
         return {
             "app": self.app_name, "version": self.version, "kind": self.kind,
             "published_at": self.published_at, "collecting": self.collecting,
+            "adapters": {u: a["version"] for u, a in self.adapters.items()
+                         if a["version"] is not None},
             "replicas": {rid: {"version": r.get("version"), "collecting": r.get("collecting"),
                                "weights": r["weights"], "error": r.get("error"),
                                "seen_s_ago": round(now - r["seen"], 3), "live": rid in live}
@@ -131,20 +186,28 @@ class AppControl:
 
     async def wait_change(self, known_version: int, known_collecting: bool | None,
                           timeout_s: float = POLL_S, replica_id: str | None = None,
-                          current_version: int | None = None) -> dict[str, Any]:
+                          current_version: int | None = None,
+                          known_adapters: tuple[str, int] | None = None) -> dict[str, Any]:
         """Long poll: return the state as soon as the version is newer than ``known_version``
         or the switch differs from ``known_collecting``, else after ``timeout_s``.
 
         ``replica_id`` registers the caller (heartbeat); with ``current_version`` it is a weight
         replica that ``wait_replicas`` waits for, without it only a mirror of the switch.
+        ``known_adapters`` (epoch, sequence number) asks for the adapter changes after it too
+        (``"adapters"``: one entry per user changed since, in order; everything after a
+        restart of this actor, whose epoch then differs).
         """
+        seen = 0
+        if known_adapters is not None:
+            seen = known_adapters[1] if known_adapters[0] == self.epoch else 0
         if replica_id is not None:
             self._touch(replica_id, polling=1, collecting=known_collecting,
                         version=current_version, weights=current_version is not None)
             self.version = max(self.version, current_version or 0)  # rebuilt after a restart
         try:
             deadline = time.monotonic() + timeout_s
-            while not (self.version > known_version or self.collecting != known_collecting):
+            while not (self.version > known_version or self.collecting != known_collecting
+                       or (known_adapters is not None and self.adapter_seq > seen)):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -154,14 +217,30 @@ class AppControl:
             if entry is not None:
                 entry["polling"] -= 1
                 entry["seen"] = time.monotonic()
-        return {"version": self.version, "kind": self.kind, "payload": self.payload,
-                "collecting": self.collecting}
+        state = {"version": self.version, "kind": self.kind, "payload": self.payload,
+                 "collecting": self.collecting}
+        if known_adapters is not None:
+            changed = sorted((a["seq"], u) for u, a in self.adapters.items() if a["seq"] > seen)
+            state.update(adapter_epoch=self.epoch, adapter_seq=self.adapter_seq, adapters=[
+                {"user": u, "version": self.adapters[u]["version"],
+                 "payload": self.adapters[u]["box"]} for _, u in changed])
+        return state
 
     def report(self, replica_id: str, version: int, error: str | None = None) -> None:
         """A weight replica now serves ``version`` (``error``: why it could not apply newer)."""
         self._touch(replica_id, version=version, weights=True, error=error or None)
         # After a restart of this actor, the replicas tell which version the app is on.
         self.version = max(self.version, version)
+
+    def report_adapter(self, replica_id: str, user: str, version: int | None,
+                       error: str | None = None) -> None:
+        """A weight replica serves ``user``'s adapter at ``version`` (None: not at all)."""
+        self._touch(replica_id, weights=True, error=error or None)
+        adapters = self.replicas[replica_id].setdefault("adapters", {})
+        if version is None:
+            adapters.pop(user, None)
+        else:
+            adapters[user] = version
 
     def deregister(self, replica_id: str) -> None:
         if self.replicas.pop(replica_id, None) is not None:

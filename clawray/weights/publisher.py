@@ -21,6 +21,7 @@ publisher waits for the replicas the same way; nothing goes through the object s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -99,6 +100,25 @@ class WeightPublisher:
         self.sync.publish_ref(version, sent["payload"], int(sent["bytes"]),
                               float(sent["seconds"]))
         return self._published(version, self.sync.finalize(version, self.timeout_s))
+
+    def publish_adapter(self, user: str, payload: Any, version: int, *, wait: bool = True,
+                        min_replicas: int = 1) -> dict[str, Any]:
+        """Per-user policies: publish ``user``'s adapter (a LoRA payload) at ``version`` beside
+        the other users' (the channel's own version is not touched); with ``wait``, until every
+        live replica serves it."""
+        started = time.perf_counter()
+        ray.get(self.control.publish_adapter.remote(user, version, [ray.put(payload)]))
+        replicas = ray.get(self.control.wait_adapter.remote(
+            user, version, self.timeout_s, min_replicas)) if wait else {}
+        return {"user": user, "version": version, "replicas": replicas,
+                "seconds": time.perf_counter() - started}
+
+    def delete_adapter(self, user: str, *, wait: bool = True) -> bool:
+        """Replicas stop serving ``user``'s adapter (that user is served by the base)."""
+        deleted = ray.get(self.control.delete_adapter.remote(user))
+        if deleted and wait:
+            ray.get(self.control.wait_adapter.remote(user, None, self.timeout_s, 0))
+        return deleted
 
     def _published(self, version: int, info: dict[str, Any]) -> dict[str, Any]:
         self.version = version

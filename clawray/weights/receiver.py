@@ -54,6 +54,11 @@ class WeightReceiver:
         # long poll waits for a newer one, so a failing payload is retried at the next change.
         self._known_version = self.version
         self._syncs: dict[str, Any] = {}  # per-kind receive state (LoRA base weights, NCCL group)
+        # Per-user adapters, for engines that serve them (``load_adapter``): the changes
+        # applied so far, as the control actor's (epoch, sequence number).
+        self._adapters_known: tuple[str, int] | None = \
+            ("", 0) if callable(getattr(engine, "load_adapter", None)) else None
+        self.adapter_errors: dict[str, str] = {}
         self._control: Any = None
         self._task: asyncio.Task | None = None
 
@@ -82,7 +87,7 @@ class WeightReceiver:
                         await self._control.report.remote(self.replica_id, self.version)
                 state = await self._control.wait_change.remote(
                     self._known_version, self.collecting, self.poll_s, self.replica_id,
-                    self.version if self.engine is not None else None)
+                    self.version if self.engine is not None else None, self._adapters_known)
                 if state["collecting"] != self.collecting:
                     logger.info("app %s replica %s: collecting %s", self.app_name,
                                 self.replica_id, "on" if state["collecting"] else "off")
@@ -91,6 +96,10 @@ class WeightReceiver:
                     if self.engine is not None and state["payload"]:
                         await self._apply(state)
                     self._known_version = state["version"]
+                if self._adapters_known is not None and "adapters" in state:
+                    for change in state["adapters"]:
+                        await self._apply_adapter(change)
+                    self._adapters_known = (state["adapter_epoch"], state["adapter_seq"])
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the replica must keep serving
@@ -99,6 +108,31 @@ class WeightReceiver:
                 if not await _actor_alive(self._control):
                     self._control = None  # recreated (get_if_exists) on the next round
                 await asyncio.sleep(self.retry_s)
+
+    async def _apply_adapter(self, change: dict[str, Any]) -> None:
+        """Load (or unload) one user's adapter; a failure is logged and reported, the replica
+        serves on (that user's requests on the base policy)."""
+        user, version = change["user"], change["version"]
+        error = None
+        try:
+            evicted: list[str] = []
+            if version is None:
+                await self.engine.unload_adapter(user)
+            else:
+                payload = await asyncio.to_thread(ray.get, change["payload"][0])
+                evicted = await self.engine.load_adapter(user, payload, version) or []
+        except Exception as e:  # noqa: BLE001 - logged and reported
+            error = f"adapter {user!r} version {version}: {type(e).__name__}: {e}"
+            logger.exception("app %s replica %s: could not apply %s", self.app_name,
+                             self.replica_id, error)
+            self.adapter_errors[user] = error
+            version = self.engine.adapters().get(user)  # what it still serves, if anything
+            evicted = []
+        else:
+            self.adapter_errors.pop(user, None)
+        for gone in evicted:  # made room (the engine's max_loras): served by the base now
+            await self._control.report_adapter.remote(self.replica_id, gone, None)
+        await self._control.report_adapter.remote(self.replica_id, user, version, error)
 
     async def _apply(self, state: dict[str, Any]) -> None:
         version, kind = state["version"], state["kind"]

@@ -121,3 +121,35 @@ async def test_the_record_names_whose_policy_served_it(tiny_tokenizer):
                                               {"x-session-id": "s"}, tenant))
     assert [(r.tenant, r.user, r.policy_user) for r in sink.records] == [
         (app, "ann", f"{app}/ann"), (other, "ann", other)]
+
+
+class AdapterPolicy(SwappingPolicy):
+    """A policy whose engine serves one user's adapter; it remembers each request's params."""
+
+    def __init__(self, adapters):
+        self._adapters, self.params = adapters, []
+
+    def adapters(self):
+        return self._adapters
+
+    async def generate(self, prompt_ids, params, session_key=None):
+        self.params.append(params)
+        return await super().generate(prompt_ids, params, session_key)
+
+
+async def test_a_user_with_an_adapter_is_served_by_it_and_others_by_the_base(tiny_tokenizer):
+    from clawray.serve.auth import tenant_of_key
+
+    app = tenant_of_key("sk-app")
+    policy = AdapterPolicy({f"{app}/ann": 4})
+    sink = ListSink()
+    svc = ChatService(tiny_tokenizer, policy, "m", 4096,
+                      ServingConfig(trusted_app_tenants=[app]), sink)
+    for user in ("ann", "bob"):
+        req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                    max_tokens=4)
+        await complete(svc, await svc.prepare(to_turn_request(req, {"user": user}),
+                                              {"x-session-id": user}, app))
+    assert [p.adapter for p in policy.params] == [f"{app}/ann", None]
+    # the record says which adapter sampled the turn
+    assert [r.sampling["adapter"] for r in sink.records] == [f"{app}/ann", None]

@@ -380,6 +380,14 @@ class TrainingConfig(_Section):
     sync_every: int = Field(1, ge=1, description="Push weights to serving every N updates.")
     sync_timeout_s: float = Field(120.0, gt=0)
     checkpoint_dir: str = Field("~/.cache/clawray/checkpoints")
+    per_user: bool = Field(
+        False, description="Per-user policies (docs/per_user.md): each iteration trains the "
+        "LoRA adapters of a few policy users, each on that user's rows only, and publishes "
+        "them beside the others. Live mode, lora_rank > 0, one learner rank at ZeRO stage 0, "
+        "inference.max_loras > 0.")
+    per_user_min_rows: int = Field(4, ge=1, description="A user waits until this many rows.")
+    per_user_max_rows: int = Field(32, ge=1, description="Rows of one user per update.")
+    per_user_max_users: int = Field(4, ge=1, description="Users trained per iteration.")
     user_adapters_dir: str = Field(
         "~/.cache/clawray/users", description="Per-user policies: one LoRA adapter (and its "
         "optimizer state) per user, a folder each (`clawray users list|export|delete`).")
@@ -613,6 +621,22 @@ class ClawRayConfig(_Section):
             problems.append(f"training.lora_rank={lora_rank} needs inference.max_lora_rank >= "
                             f"{lora_rank} with vLLM (it serves the adapters; now "
                             f"{inf.max_lora_rank})")
+        t = self.training_cfg
+        if t.per_user:
+            need = {"training.mode 'live'": t.mode == "live",
+                    "training.lora_rank > 0": lora_rank > 0,
+                    "training.num_learners 1": t.num_learners == 1,
+                    "training.zero_stage 0": t.zero_stage == 0,
+                    "inference.max_loras > 0": inf.max_loras > 0,
+                    "buffer.lease_s set (rows of users not trained yet go back)":
+                        self.buffer_cfg.lease_s is not None,
+                    "buffer.max_staleness null (rows carry their adapter's version)":
+                        self.buffer_cfg.max_staleness is None,
+                    "training.per_user_max_rows >= per_user_min_rows":
+                        t.per_user_max_rows >= t.per_user_min_rows}
+            missing = [k for k, ok in need.items() if not ok]
+            if missing:
+                problems.append("training.per_user needs " + ", ".join(missing))
         if inf.weight_transfer == "nccl":
             if inf.engine not in ("vllm", "auto"):
                 problems.append(f"inference.weight_transfer='nccl' needs vLLM replicas, not "

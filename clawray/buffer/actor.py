@@ -172,6 +172,17 @@ class SampleBuffer:
         await asyncio.to_thread(self._core.save_checkpoint)
         return rows
 
+    async def ack_rows(self, lease: int, trained: Sequence[bool]) -> tuple[int, int]:
+        """Some rows of ``lease`` were trained (per-user training): those are consumed, the
+        others delivered again at once; (consumed, returned)."""
+        self._start()
+        out = self._core.ack_rows(lease, list(trained), checkpoint=False)
+        await asyncio.to_thread(self._core.save_checkpoint)
+        if out[1]:
+            async with self._changed:
+                self._changed.notify_all()
+        return out
+
     async def release(self, leases: Sequence[int]) -> int:
         """Rows of ``leases`` given back untrained: delivered again at once."""
         self._start()

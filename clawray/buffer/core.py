@@ -497,6 +497,44 @@ class SampleBufferCore:
             self.save_checkpoint()
         return rows
 
+    def ack_rows(self, lease_id: int, trained: Sequence[bool], checkpoint: bool = True
+                 ) -> tuple[int, int]:
+        """The taker trained only some of a lease's rows (per-user training: users not trained
+        this time): ``trained`` has one flag per row of the lease's slices, in their order.
+        Trained rows are consumed; the others go back to the front of the queue (a copy of
+        just those rows), delivered again to the next take. Returns (consumed, returned); an
+        unknown lease does nothing (its rows were or will be delivered again)."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return 0, 0
+        total = sum(len(rows) for _, rows in lease.rows)
+        flags = np.asarray(trained, dtype=bool)
+        if len(flags) != total:
+            raise ValueError(f"lease {lease_id} holds {total} rows; got {len(flags)} flags")
+        del self._leases[lease_id]
+        back: list[_Queued] = []
+        pos = consumed = 0
+        for part, (seq, rows) in zip(lease.parts, lease.rows):
+            mask = flags[pos:pos + len(rows)]
+            pos += len(rows)
+            self._settle(seq, rows[mask])
+            consumed += int(mask.sum())
+            left = np.flatnonzero(~mask)
+            if len(left):
+                objects = np.arange(part.offset, part.num_rows)[left]
+                batch = self._get(part.ref).take(pa.array(objects))
+                back.append(_Queued(seq, self._put(batch), len(left), 0,
+                                    part.versions[objects], rows[left], part.seg_rows))
+        for q in reversed(back):  # oldest first at the front
+            self._queue.appendleft(q)
+        returned = total - consumed
+        self.counters["rows_acked"] += consumed
+        self.counters["rows_redelivered"] += returned
+        self._advance()
+        if checkpoint:
+            self.save_checkpoint()
+        return consumed, returned
+
     def expire(self, now: float | None = None) -> int:
         """Put the rows of leases past their deadline back at the front of the queue (oldest
         first); returns how many rows came back."""

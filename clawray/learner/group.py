@@ -48,6 +48,7 @@ class LearnerWorker:
         self.cfg = TrainingConfig.model_validate(training)
         self.rank, self.world_size = rank, world_size
         self._nccl: Any = None  # rank 0's VLLMNcclSync, once the NCCL sync is used
+        self._adapters: Any = None  # UserAdapters, once per-user training is used
         self.core: LearnerCore | None = None
 
     def rendezvous(self) -> tuple[str, int]:
@@ -109,6 +110,21 @@ class LearnerWorker:
 
     def set_version(self, version: int) -> None:
         self._core().policy_version = version
+
+    def update_user(self, user: str, batch: Sequence[Slice] | pa.Table) -> dict[str, Any]:
+        """Per-user policies: one update of ``user``'s adapter on their rows; with the
+        adapter's payload put in the object store (``{"payload": [ref], "bytes"}``) for
+        ``WeightPublisher.publish_adapter``."""
+        from clawray.learner.adapters import AdapterStore, UserAdapters
+
+        if self._adapters is None:
+            self._adapters = UserAdapters(self._core(), AdapterStore(self.cfg.user_adapters_dir))
+        table = batch if isinstance(batch, pa.Table) else fetch(batch, ray.get)
+        metrics = self._adapters.update(user, table)
+        payload = self._adapters.payload(user)
+        nbytes = sum(m["A"].numel() * 4 + m["B"].numel() * 4 for m in payload["modules"].values())
+        return {"metrics": metrics, "version": int(metrics["version"]),
+                "payload": [ray.put(payload)], "bytes": nbytes}
 
     def save(self, path: str, client_state: dict[str, Any]) -> None:
         self._core().save(path, client_state)
@@ -208,6 +224,12 @@ class LearnerGroup:
     def set_version(self, version: int) -> None:
         ray.get([w.set_version.remote(version) for w in self.workers])
         self.policy_version = version
+
+    def update_user(self, user: str, table: pa.Table) -> dict[str, Any]:
+        """One update of ``user``'s adapter (one rank: ``clawray/learner/adapters.py``)."""
+        if len(self.workers) != 1:
+            raise RuntimeError("per-user adapters train on one learner rank")
+        return ray.get(self.workers[0].update_user.remote(user, ray.put(table)))
 
     def shutdown(self) -> None:
         """Kill the ranks and free their resources (idempotent)."""

@@ -45,8 +45,10 @@ from clawray.learner.group import LearnerGroup
 from clawray.models.loader import policy_model_info
 from clawray.rlanything.loop import RLAnythingLoop
 from clawray.rollout.runner import EnvRunnerGroup
+from clawray.samples import policy_user_of
 from clawray.serve.app import build_app
 from clawray.sessions.pipeline import start_live_pipeline
+from clawray.training.per_user import plan_updates
 from clawray.weights.nccl import check_nccl_available
 from clawray.weights.publisher import WeightPublisher
 
@@ -137,6 +139,7 @@ class Trainer(tune.Trainable):
             self.envs = EnvRunnerGroup(self.cfg, self.app)
             self.publisher.followers.append(self.envs.buffer)
         self.updates = 0
+        self.user_updates: dict[str, int] = {}  # per-user mode: each user's last update number
         # Exactly-once in effect: rows come under a lease, acknowledged once trained (or once
         # a checkpoint holds the update, with training.checkpoint_every); rows delivered again
         # (an expired lease, a restarted buffer) that were trained already are dropped here.
@@ -179,6 +182,12 @@ class Trainer(tune.Trainable):
                 result.update(step_metrics)
             else:
                 slices = self._take()
+        if slices and t.per_user:
+            table = fetch(slices, ray.get)
+            result.update(batch_stats(table, self.version))
+            with self.metrics.log_time("time_update_s", reduce="mean", window=WINDOW):
+                result.update(self._per_user_update(table, slices))
+            slices = []  # acknowledged row by row; no shared update
         if slices:
             table = fetch(slices, ray.get)
             table, slices, result["samples_repeated"] = self._drop_trained(table, slices)
@@ -213,6 +222,47 @@ class Trainer(tune.Trainable):
         elif not t.checkpoint_every:
             self._ack()
         return result
+
+    def _per_user_update(self, table: pa.Table, slices: list[Any]) -> dict[str, Any]:
+        """Per-user policies: update the adapters of the users ``plan_updates`` picks, each on
+        their own rows, publish each beside the others, and acknowledge just the rows trained
+        (rows already trained, or of no user, are consumed too); the others go back to the
+        buffer for a later iteration."""
+        t = self.cfg.training_cfg
+        users = policy_user_of(table).to_pylist()
+        ids = table.column("sample_id").to_pylist()
+        done = np.array([sid in self.trained or u is None for sid, u in zip(ids, users)])
+        plan = plan_updates([None if d else u for d, u in zip(done, users)], self.user_updates,
+                            min_rows=t.per_user_min_rows, max_rows=t.per_user_max_rows,
+                            max_users=t.per_user_max_users)
+        out: dict[str, Any] = {"users_trained": [p.user for p in plan], "user_versions": {},
+                               "user_rows": 0, "sync_s": 0.0}
+        losses = []
+        for p in plan:
+            r = self.learner.update_user(p.user, table.take(pa.array(p.rows)))
+            self.updates += 1
+            self.user_updates[p.user] = self.updates
+            sync = self.publisher.publish_adapter(p.user, r["payload"], r["version"])
+            out["sync_s"] += sync["seconds"]
+            out["user_versions"][p.user] = r["version"]
+            out["user_rows"] += len(p.rows)
+            losses.append(r["metrics"].get("loss", 0.0))
+            done[p.rows] = True
+            self.trained.add([ids[i] for i in p.rows])
+        if losses:
+            out["loss"] = float(np.mean(losses))
+        out["users_waiting"] = len({u for d, u in zip(done, users) if not d})
+        # acknowledge row by row: each lease's flags in its slices' order
+        pending, self._unacked = self._unacked, []
+        flags: dict[int, list[bool]] = {}
+        pos = 0
+        for s in slices:
+            flags.setdefault(s.lease, []).extend(done[pos:pos + s.length].tolist())
+            pos += s.length
+        for buffer, leases in pending:
+            ray.get([buffer.ack_rows.remote(lease, flags[lease]) for lease in leases
+                     if lease in flags])
+        return out
 
     def _leased(self, buffer: Any, slices: list[Any]) -> list[Any]:
         """Remember the leases of a take, to acknowledge once their rows are trained."""

@@ -107,7 +107,9 @@ class WeightPublisher:
         the other users' (the channel's own version is not touched); with ``wait``, until every
         live replica serves it."""
         started = time.perf_counter()
-        ray.get(self.control.publish_adapter.remote(user, version, [ray.put(payload)]))
+        box = payload if isinstance(payload, list) and len(payload) == 1 and isinstance(
+            payload[0], ray.ObjectRef) else [ray.put(payload)]  # a learner's ref, or the payload
+        ray.get(self.control.publish_adapter.remote(user, version, box))
         replicas = ray.get(self.control.wait_adapter.remote(
             user, version, self.timeout_s, min_replicas)) if wait else {}
         return {"user": user, "version": version, "replicas": replicas,

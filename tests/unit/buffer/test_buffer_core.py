@@ -327,6 +327,27 @@ def test_acknowledgements_out_of_order_keep_the_unacknowledged_rows(tmp_path):
     assert core.stats()["consumed"] == {"seq": 0, "offset": 8}
 
 
+def test_a_partly_trained_lease_consumes_the_trained_rows_and_returns_the_rest(tmp_path):
+    """Per-user training trains some users' rows of a take: those are consumed, the others
+    come back first, in order, and survive a crash as untrained."""
+    core, _ = leased(tmp_path, seal_rows=4)
+    core.add(rows(0, 10))
+    core.seal()
+    taken = core.take(6)  # spans several slices
+    trained = [i % 2 == 0 for i in range(6)]  # rows 0, 2, 4 trained
+    assert core.ack_rows(taken[0].lease, trained) == (3, 3)
+    assert core.ack_rows(taken[0].lease, trained) == (0, 0)  # once only
+    again = core.take(5)
+    assert ids(core, again) == [f"s-{i:04d}" for i in (1, 3, 5, 6, 7)]
+    core.save_checkpoint()
+    crashed, _ = leased(tmp_path)  # the trained rows stay consumed
+    assert ids(crashed, crashed.take(7)) == [f"s-{i:04d}" for i in (1, 3, 5, 6, 7, 8, 9)]
+    assert core.ack_rows(again[0].lease, [True] * 5) == (5, 0)
+    with pytest.raises(ValueError, match="flags"):
+        core.ack_rows(core.take(2)[0].lease, [True])
+    assert core.stats()["consumed"] == {"seq": 0, "offset": 8}
+
+
 def test_stale_rows_dropped_under_leases_are_settled(tmp_path):
     core, _ = leased(tmp_path, max_staleness=1)
     core.add(rows(0, 4, version=0) + rows(4, 8, version=5))

@@ -158,3 +158,13 @@ def test_nccl_weight_transfer_needs_vllm_full_weights_and_a_learner_gpu():
         ok.copy_with(training={"lora_rank": 8}, inference={"max_lora_rank": 8}).validate()
     with pytest.raises(ValueError, match="learner's GPU: set training.learner_num_gpus"):
         ok.copy_with(training={"learner_num_gpus": 0}).validate()
+
+
+def test_per_user_training_says_everything_it_needs():
+    with pytest.raises(ConfigError) as e:
+        ClawRayConfig().training(per_user=True, zero_stage=1).validate()
+    for need in ("training.lora_rank > 0", "training.zero_stage 0", "inference.max_loras > 0"):
+        assert need in str(e.value)
+    ok = ClawRayConfig().training(per_user=True, lora_rank=4, zero_stage=0) \
+        .inference(max_loras=4).validate()
+    assert ok.training_cfg.per_user

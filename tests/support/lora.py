@@ -29,3 +29,12 @@ def merged(model: torch.nn.Module, payload: dict) -> torch.nn.Module:
     m = copy.deepcopy(model)
     m.load_state_dict(merge_lora(m.state_dict(), payload), strict=False)
     return m
+
+
+def reference_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy ids after ``prompt``, one plain forward per id (the served ids to match)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]

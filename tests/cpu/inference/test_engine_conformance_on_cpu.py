@@ -19,6 +19,7 @@ import pytest_asyncio
 import torch
 
 from clawray.inference import Engine, EngineError, EngineOverloaded, SamplingParams
+from tests.support.lora import reference_greedy
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -68,14 +69,6 @@ def reference_logprobs(model, prompt: list[int], response: list[int]) -> torch.T
         logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
     return torch.log_softmax(logits.float(), -1).gather(
         -1, torch.tensor(response).unsqueeze(-1)).squeeze(-1)
-
-
-def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 async def idle(engine: Engine, timeout: float = 20.0) -> None:
@@ -346,6 +339,35 @@ async def test_vllm_reuses_a_long_prompt_from_its_prefix_cache_and_keeps_seeds(e
     assert again[0].cached_tokens >= 17_000
 
 
+async def test_per_user_adapters_serve_side_by_side(engine, reference):
+    """Named adapters (per-user policies): each request samples from the adapter it names,
+    requests of two adapters and of the base policy run at once, versions are per adapter."""
+    from tests.support.lora import merged, random_lora
+
+    a, b = random_lora(reference, 1), random_lora(reference, 2)
+    want = {"alice": reference_greedy(merged(reference, a), PROMPT, GREEDY.max_tokens),
+            "bob": reference_greedy(merged(reference, b), PROMPT, GREEDY.max_tokens),
+            None: reference_greedy(reference, PROMPT, GREEDY.max_tokens)}
+    assert len({tuple(v) for v in want.values()}) == 3
+    await engine.load_adapter("alice", a, version=3)
+    await engine.load_adapter("bob", b, version=7)
+    try:
+        users = ["alice", None, "bob", "alice"]
+        outs = await asyncio.gather(*[engine.generate(
+            PROMPT, dataclasses.replace(GREEDY, adapter=u)) for u in users])
+        for user, out in zip(users, outs):
+            assert out[0].token_ids == want[user], user
+        assert [o[0].policy_version for o in outs] == [3, 0, 7, 3]
+        assert engine.adapters() == {"alice": 3, "bob": 7}
+        with pytest.raises(EngineError, match="not loaded"):
+            await engine.generate(PROMPT, dataclasses.replace(GREEDY, adapter="carol"))
+    finally:
+        await engine.unload_adapter("alice")
+        await engine.unload_adapter("bob")
+    assert engine.adapters() == {}
+    assert (await engine.generate(PROMPT, GREEDY))[0].token_ids == want[None]
+
+
 async def test_zz_a_dead_vllm_engine_core_fails_requests_cleanly_and_fails_health(engine):
     """Last in the file on purpose: it kills the shared engine's core process (what an
     engine crash looks like); requests must fail at once with a clear error, not hang."""
@@ -374,31 +396,3 @@ async def test_zz_a_dead_vllm_engine_core_fails_requests_cleanly_and_fails_healt
     with pytest.raises(EngineUnavailable):
         engine.check_health()
 
-
-async def test_per_user_adapters_serve_side_by_side(engine, reference):
-    """Named adapters (per-user policies): each request samples from the adapter it names,
-    requests of two adapters and of the base policy run at once, versions are per adapter."""
-    from tests.support.lora import merged, random_lora
-
-    a, b = random_lora(reference, 1), random_lora(reference, 2)
-    want = {"alice": reference_greedy(merged(reference, a), PROMPT, GREEDY.max_tokens),
-            "bob": reference_greedy(merged(reference, b), PROMPT, GREEDY.max_tokens),
-            None: reference_greedy(reference, PROMPT, GREEDY.max_tokens)}
-    assert len({tuple(v) for v in want.values()}) == 3
-    await engine.load_adapter("alice", a, version=3)
-    await engine.load_adapter("bob", b, version=7)
-    try:
-        users = ["alice", None, "bob", "alice"]
-        outs = await asyncio.gather(*[engine.generate(
-            PROMPT, dataclasses.replace(GREEDY, adapter=u)) for u in users])
-        for user, out in zip(users, outs):
-            assert out[0].token_ids == want[user], user
-        assert [o[0].policy_version for o in outs] == [3, 0, 7, 3]
-        assert engine.adapters() == {"alice": 3, "bob": 7}
-        with pytest.raises(EngineError, match="not loaded"):
-            await engine.generate(PROMPT, dataclasses.replace(GREEDY, adapter="carol"))
-    finally:
-        await engine.unload_adapter("alice")
-        await engine.unload_adapter("bob")
-    assert engine.adapters() == {}
-    assert (await engine.generate(PROMPT, GREEDY))[0].token_ids == want[None]

@@ -25,8 +25,9 @@ APP = "trainer-app"
 ENGINE = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
 # served vs learner log-probs: vLLM's CPU kernels differ from torch's in the 4th decimal
 TOLERANCE = 1e-3 if ENGINE == "vllm" else 1e-4
-# One vLLM replica (an engine start costs ~50 s of the suite's 30 minutes; two vLLM replicas
-# syncing under load are tested in tests/cpu/weights), two transformers ones.
+# One vLLM replica (an engine start costs ~50 s of the suite's 30 minutes; syncing several
+# replicas under load is tested on the transformers engine in tests/cpu/weights), two
+# transformers ones.
 REPLICAS = 1 if ENGINE == "vllm" else 2
 
 

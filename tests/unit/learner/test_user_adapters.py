@@ -18,7 +18,8 @@ from tests.support.learner_data import sampled_rows
 
 
 def of_user(table: pa.Table, user: str) -> pa.Table:
-    return table.set_column(table.schema.get_field_index("user"), "user",
+    """The rows as ``user``'s (their policy user)."""
+    return table.set_column(table.schema.get_field_index("policy_user"), "policy_user",
                             pa.array([user] * table.num_rows, pa.string()))
 
 

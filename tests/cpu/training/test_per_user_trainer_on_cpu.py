@@ -1,0 +1,98 @@
+"""The Trainer's per-user mode (training.per_user): an iteration trains the adapter of each
+user with enough rows on that user's rows only, publishes it to the replicas beside the
+others, and leaves the rows of a user with too few in the buffer for later."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import openai
+import pytest
+import ray
+
+from clawray.config import ClawRayConfig
+from tests.support.common import API_KEY
+
+pytestmark = pytest.mark.ray
+APP = "per-user"
+
+
+@pytest.fixture(scope="module")
+def per_user_app(served, tmp_path_factory):
+    from ray import serve
+
+    from clawray.serve.app import build_app
+    from clawray.serve.auth import tenant_of_key
+
+    cfg = (ClawRayConfig()
+           .inference(engine="hf", max_loras=4)
+           .serving(api_keys=[API_KEY], trusted_app_tenants=[tenant_of_key(API_KEY)],
+                    record_sink=["hub"], default_max_tokens=8, replica_num_cpus=0.5)
+           .sessions(idle_timeout_s=2, feedback_window_s=0, flush_interval_s=0.1)
+           .judge(num_voters=1, timeout_s=20)
+           .buffer(path=str(tmp_path_factory.mktemp("per-user-samples")), seal_age_s=0.1,
+                   lease_s=60)
+           .training(app=APP, per_user=True, lora_rank=4, lora_alpha=8, zero_stage=0,
+                     batch_size=16, min_batch=1, take_timeout_s=5, lr=1e-2,
+                     learner_num_cpus=0.5, sync_timeout_s=60, per_user_min_rows=3,
+                     per_user_max_rows=8, checkpoint_dir=str(tmp_path_factory.mktemp("ck")),
+                     user_adapters_dir=str(tmp_path_factory.mktemp("users"))))
+    serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
+    port = served.base_url.split(":")[2].split("/")[0]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/{APP}/v1", api_key=API_KEY,
+                           max_retries=0, timeout=60)
+    yield cfg.validate(), client
+    serve.delete(APP)
+
+
+def _session(client, user: str, turns: int) -> None:
+    sid = f"s-{uuid.uuid4().hex[:10]}"
+    msgs = [{"role": "user", "content": "hello there"}]
+    for t in range(turns):
+        r = client.chat.completions.create(
+            model="clawray-tiny", messages=msgs, max_tokens=8, user=user,
+            extra_headers={"X-Session-Id": sid,
+                           **({"X-Session-Done": "1"} if t == turns - 1 else {})})
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                 {"role": "user", "content": "Thanks, perfect."}]
+
+
+def test_an_iteration_trains_each_users_adapter_on_their_rows_only(per_user_app):
+    from clawray.learner.adapters import AdapterStore
+    from clawray.serve.auth import tenant_of_key
+    from clawray.sessions.pipeline import attach_live_pipeline
+    from clawray.training.trainer import Trainer
+
+    cfg, client = per_user_app
+    ann, bob = (f"{tenant_of_key(API_KEY)}/{u}" for u in ("ann", "bob"))
+    for _ in range(2):
+        _session(client, "ann", turns=2)
+    _session(client, "bob", turns=1)  # one row: fewer than per_user_min_rows
+    buffer = attach_live_pipeline(cfg, APP).buffer
+    deadline = time.time() + 60
+    while ray.get(buffer.stats.remote())["available"] < 5:
+        assert time.time() < deadline, ray.get(buffer.stats.remote())
+        time.sleep(0.3)
+
+    trainer = Trainer(config=cfg.to_dict())
+    try:
+        r = trainer.train()
+        assert r["users_trained"] == [ann] and r["user_versions"] == {ann: 1}
+        assert r["user_rows"] == 4 and r["users_waiting"] == 1
+        assert trainer.publisher.status()["adapters"] == {ann: 1}
+        store = AdapterStore(cfg.training_cfg.user_adapters_dir)
+        assert [m["user"] for m in store.users()] == [ann]
+        assert store.meta(ann)["rows_trained"] == 4
+        # bob's row went back to the buffer; ann's were consumed
+        assert ray.get(buffer.stats.remote())["available"] == 1
+        _session(client, "bob", turns=2)  # bob now has enough
+        deadline = time.time() + 60
+        while ray.get(buffer.stats.remote())["available"] < 3:
+            assert time.time() < deadline
+            time.sleep(0.3)
+        r = trainer.train()
+        assert r["users_trained"] == [bob] and r["user_rows"] == 3
+        assert trainer.publisher.status()["adapters"] == {ann: 1, bob: 1}
+    finally:
+        trainer.stop()

@@ -24,6 +24,14 @@ import torch
 LORA_FORMAT = "clawray.lora/1"  # the one definition: weights/sync.py and vllm_engine.py use it
 
 
+def peft_lora_config(rank: int, alpha: float, targets: set[str] | list[str]) -> dict[str, Any]:
+    """``adapter_config.json`` of a plain PEFT LoRA adapter (what peft and vLLM load)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank),
+            "lora_alpha": float(alpha), "target_modules": sorted(targets),
+            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "modules_to_save": None}
+
+
 class LoraError(ValueError):
     """A payload or request the multi-LoRA layer cannot serve; nothing was changed."""
 

@@ -46,7 +46,7 @@ from clawray.inference.engine import (
     check_prompt_fits,
 )
 from clawray.inference.grammar import check_structural_tag
-from clawray.inference.multi_lora import LORA_FORMAT
+from clawray.inference.multi_lora import LORA_FORMAT, peft_lora_config
 
 logger = logging.getLogger(__name__)
 
@@ -361,11 +361,7 @@ def peft_adapter(payload: Any, shapes: Mapping[str, tuple[list[int], str]]
             b = torch.cat([b, b.new_zeros(b.shape[0], pad)], dim=1)
         tensors[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
         tensors[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank,
-              "target_modules": sorted({n.rsplit(".", 1)[-1] for n in modules}),
-              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-              "use_rslora": False, "use_dora": False, "modules_to_save": None}
-    return config, tensors
+    return peft_lora_config(rank, rank, {n.rsplit(".", 1)[-1] for n in modules}), tensors
 
 
 # ---------------------------------------------------------------------------- workers

@@ -25,12 +25,13 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pyarrow as pa
 import torch
 
 from clawray.files import write_atomic
+from clawray.inference.multi_lora import peft_lora_config
 from clawray.learner.learner import LearnerCore
 from clawray.samples import policy_user_of
 from clawray.weights.sync import lora_payload
@@ -220,9 +221,6 @@ class UserAdapters:
             self._load_slot(None)
         return self.store.delete(user)
 
-    def users(self) -> Iterator[str]:
-        return iter(m["user"] for m in self.store.users())
-
 
 def export_peft(store: AdapterStore, user: str, dest: str | Path) -> Path:
     """Write ``user``'s adapter as a PEFT folder (``adapter_config.json`` and
@@ -241,10 +239,7 @@ def export_peft(store: AdapterStore, user: str, dest: str | Path) -> Path:
         targets.add(module.rsplit(".", 1)[-1])
     dest = Path(dest).expanduser()
     dest.mkdir(parents=True, exist_ok=True)
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(meta["lora_rank"]),
-              "lora_alpha": float(meta["lora_alpha"]), "target_modules": sorted(targets),
-              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-              "use_rslora": False, "use_dora": False, "modules_to_save": None}
+    config = peft_lora_config(meta["lora_rank"], meta["lora_alpha"], targets)
     save_file(tensors, str(dest / "adapter_model.safetensors"))
     (dest / "adapter_config.json").write_text(json.dumps(config, indent=1))
     return dest

@@ -113,7 +113,7 @@ class LearnerWorker:
 
     def update_user(self, user: str, batch: Sequence[Slice] | pa.Table) -> dict[str, Any]:
         """Per-user policies: one update of ``user``'s adapter on their rows; with the
-        adapter's payload put in the object store (``{"payload": [ref], "bytes"}``) for
+        adapter's payload put in the object store (``{"payload": [ref]}``) for
         ``WeightPublisher.publish_adapter``."""
         from clawray.learner.adapters import AdapterStore, UserAdapters
 
@@ -121,10 +121,8 @@ class LearnerWorker:
             self._adapters = UserAdapters(self._core(), AdapterStore(self.cfg.user_adapters_dir))
         table = batch if isinstance(batch, pa.Table) else fetch(batch, ray.get)
         metrics = self._adapters.update(user, table)
-        payload = self._adapters.payload(user)
-        nbytes = sum(m["A"].numel() * 4 + m["B"].numel() * 4 for m in payload["modules"].values())
         return {"metrics": metrics, "version": int(metrics["version"]),
-                "payload": [ray.put(payload)], "bytes": nbytes}
+                "payload": [ray.put(self._adapters.payload(user))]}
 
     def save(self, path: str, client_state: dict[str, Any]) -> None:
         self._core().save(path, client_state)

@@ -33,7 +33,6 @@ from clawray.inference.multi_lora import LORA_FORMAT
 from clawray.weights.control import get_app_control
 
 
-
 class WeightSyncError(ValueError):
     """A payload or state that cannot be applied; nothing was changed."""
 

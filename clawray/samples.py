@@ -408,3 +408,37 @@ def policy_user_of(table: pa.Table) -> pa.ChunkedArray:
     """Each row's policy user: ``policy_user``, or for rows written before that column (schema
     version 1) the key's ``tenant``; null for rows of no user (the shared policy's)."""
     return pc.coalesce(table.column("policy_user"), table.column("tenant"))
+
+
+# Kept on a forgotten row: the log's positions, deduplication and version accounting stay valid.
+REDACT_KEEP = frozenset({"sample_id", "kind", "policy_version", "policy_version_end"})
+
+
+def redact(table: pa.Table | pa.RecordBatch, mask: Sequence[bool] | np.ndarray) -> pa.Table:
+    """``table`` with the rows where ``mask`` is true emptied (the right to be forgotten):
+    token ids, log-probs and loss masks empty, every text, id of a person and judgement null,
+    reward 0 and ``source`` "forgotten"; ``REDACT_KEEP`` columns stay. Same rows, same order,
+    the same schema."""
+    table = pa.Table.from_batches([table]) if isinstance(table, pa.RecordBatch) else table
+    table = table.combine_chunks()
+    m = pa.array(np.asarray(mask, dtype=bool))
+    if len(m) != table.num_rows:
+        raise ValueError(f"redact: {len(m)} flags for {table.num_rows} rows")
+    columns = []
+    for f in table.schema:
+        col = table.column(f.name)
+        if f.name in REDACT_KEEP:
+            columns.append(col)
+            continue
+        if f.name == "source":
+            blank = pa.scalar("forgotten", f.type)
+        elif f.name == "reward":
+            blank = pa.scalar(0.0, f.type)
+        elif f.nullable:
+            blank = pa.scalar(None, f.type)
+        elif pa.types.is_list(f.type):
+            blank = pa.scalar([], f.type)
+        else:
+            raise ValueError(f"redact: no blank value for the required column {f.name!r}")
+        columns.append(pc.if_else(m, blank, col))
+    return pa.Table.from_arrays(columns, schema=table.schema)

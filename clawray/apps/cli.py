@@ -3,6 +3,7 @@
     clawray build-model           # build (or reuse) the embedded tiny model, print its folder
     clawray serve [-c cfg.yaml]   # start Ray + the Serve app and block (Ctrl-C stops)
     clawray demo                  # serve + train from simulated users; the model visibly learns
+    clawray demo --per-user       # opposite preferences: one shared policy vs an adapter per user
     clawray replay                # serve the embedded default and replay an OpenClaw session
     clawray sft [-c cfg.yaml]     # warm-start the policy on expert demos (cached), print its folder
     clawray rm-sft [-c cfg.yaml]  # warm-start the step-wise reward model on oracle-labelled steps
@@ -18,6 +19,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from clawray.config import ClawRayConfig, ConfigError, apply_sets, load_config
 
@@ -60,6 +62,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from clawray.apps.demo import run_demo
 
     cfg = _config(args)
+    if args.per_user:
+        from clawray.apps.per_user_demo import run_per_user_demo
+
+        extra = {k: v for k, v in (("budget", args.budget), ("eval_n", args.eval_n),
+                                   ("lr", args.lr)) if v is not None}
+        return run_per_user_demo(cfg, Path(args.out), args.seeds or [args.seed],
+                                 modes=tuple(args.modes), eval_pool=args.eval_pool,
+                                 judge=args.judge, **extra)
     if args.seeds:
         from clawray.apps.demo import run_demo_seeds
 
@@ -193,9 +203,8 @@ def cmd_users(args: argparse.Namespace) -> int:
     """Per-user adapters on disk: list them, export one as a PEFT folder, delete one."""
     from clawray.learner.adapters import AdapterStore, export_peft, user_slug
 
-    folder = args.dir or apply_sets(load_config(args.config), args.set).training_cfg \
-        .user_adapters_dir
-    store = AdapterStore(folder)
+    cfg = apply_sets(load_config(args.config), args.set)
+    store = AdapterStore(args.dir or cfg.training_cfg.user_adapters_dir)
     if args.action == "list":
         users = store.users()
         for m in users:
@@ -211,11 +220,48 @@ def cmd_users(args: argparse.Namespace) -> int:
         out = export_peft(store, args.user, args.out or f"adapter-{user_slug(args.user)}")
         print(f"clawray users: {args.user!r}'s adapter as a PEFT folder in {out}")
         return 0
-    if not store.delete(args.user):
-        raise ConfigError(f"user {args.user!r} has no adapter in {store.root}")
-    print(f"clawray users: deleted {args.user!r}'s adapter and optimizer state "
-          "(their rows in the sample log are not deleted yet: docs/per_user.md)")
+    had_adapter = store.delete(args.user)
+    rows = forget_rows(cfg, args.user, args.samples, args.app)
+    if not had_adapter and not rows["rows"] + rows["open_rows"]:
+        raise ConfigError(f"user {args.user!r} has no adapter in {store.root} and no rows in "
+                          f"the sample log ({rows['where']})")
+    print(f"clawray users: {args.user!r}: "
+          + ("adapter and optimizer state deleted; " if had_adapter else "no adapter; ")
+          + f"{rows['rows'] + rows['open_rows']} rows forgotten in the sample log "
+          f"({rows['where']}; {rows['segments']} segments rewritten, "
+          f"{rows['leases_revoked']} leases revoked)")
     return 0
+
+
+def forget_rows(cfg: ClawRayConfig, user: str, samples: str | None, app: str) -> dict[str, Any]:
+    """Forget ``user``'s rows: through the running app's sample buffer when a Ray cluster
+    with it is reachable (the actor owns the log), else in the log folder itself (the app
+    stopped: nothing else writes it)."""
+    from clawray.buffer.core import SampleBufferCore
+
+    path = samples or cfg.buffer_cfg.path
+    if samples is None:
+        import ray
+
+        from clawray.sessions.pipeline import NAMESPACE, names
+
+        try:
+            ray.init(address="auto", namespace=NAMESPACE, logging_level=logging.WARNING,
+                     log_to_driver=False)
+        except ConnectionError:
+            pass
+        else:
+            try:
+                buffer = ray.get_actor(names(app, cfg)["buffer"], namespace=NAMESPACE)
+            except ValueError:
+                buffer = None
+            if buffer is not None:
+                return {**ray.get(buffer.forget.remote(user)), "where": f"app {app!r}'s buffer"}
+            ray.shutdown()
+    if not Path(path).is_dir():
+        raise ConfigError(f"no sample log at {path!r} (buffer.path, or --samples)")
+    core = SampleBufferCore(path)
+    return {**core.forget(user), "where": str(path)}
 
 
 def _prebuild(cfg: ClawRayConfig) -> None:
@@ -243,11 +289,15 @@ def main(argv: list[str] | None = None) -> int:
                        "(for serving.api_key_digests: a YAML that holds no key); reads the "
                        "key from stdin")
     p.set_defaults(fn=cmd_key_digest)
-    p = sub.add_parser("users", help="per-user adapters on disk: list, export (PEFT), delete")
+    p = sub.add_parser("users", help="per-user adapters on disk: list, export (PEFT), delete (the adapter and the user's rows)")
     p.add_argument("action", choices=("list", "export", "delete"))
     p.add_argument("user", nargs="?", help="the policy user (export, delete)")
     p.add_argument("--dir", help="the adapters' folder (default: training.user_adapters_dir)")
     p.add_argument("--out", help="export: the PEFT folder to write")
+    p.add_argument("--samples", help="delete: the sample log folder to forget the user's rows "
+                   "in, the app stopped (default: the running app's buffer if reachable, else "
+                   "buffer.path)")
+    p.add_argument("--app", default="clawray", help="delete: the running app's name")
     p.add_argument("-c", "--config", help="clawray YAML")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.set_defaults(fn=cmd_users)
@@ -336,6 +386,16 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--seeds", type=int, nargs="+",
                            help="one run per seed (OUT/seed<k>, fresh weights each), then "
                                 "their mean ± standard error (OUT/demo_seeds.json, .png)")
+            p.add_argument("--per-user", action="store_true",
+                           help="two groups of users who want opposite things: one shared "
+                                "policy against a LoRA adapter per user (docs/per_user.md)")
+            p.add_argument("--modes", nargs="+", default=["shared", "per_user"],
+                           choices=["shared", "per_user"], help="--per-user: which to run")
+            p.add_argument("--budget", type=int, help="--per-user: rows trained per run")
+            p.add_argument("--eval-n", type=int, help="--per-user: held-out requests per user")
+            p.add_argument("--eval-pool", default="test", choices=["validation", "test"],
+                           help="--per-user: 'validation' to choose settings, 'test' to report")
+            p.add_argument("--lr", type=float, help="--per-user: the LoRA learning rate")
         p.set_defaults(fn=fn)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -108,13 +108,13 @@ def with_judge(cfg: ClawRayConfig, judge: str, log: Any = print) -> ClawRayConfi
 
 
 class UserPool:
-    """Simulated users chatting in a background thread until ``stop()``."""
+    """Simulated users chatting in a background thread until ``stop()``: user ``i`` holds
+    ``members[i]`` = (API key, preference) and draws from ``random.Random(f"{seed}/{i}")``."""
 
-    def __init__(self, base_url: str, api_key: str, model: str, num_users: int, seed: int,
-                 log_path: Path, phrasing: str = "users") -> None:
-        self.args = (base_url, api_key, model)
-        self.num_users, self.seed = num_users, seed
-        self.preference = BriefReplies(phrasing=phrasing)
+    def __init__(self, base_url: str, model: str, members: list[tuple[str, Any]], seed: int,
+                 log_path: Path, type_weights: dict[str, float] | None = None) -> None:
+        self.base_url, self.model, self.members, self.seed = base_url, model, members, seed
+        self.type_weights = type_weights
         self.interactions: list[Any] = []
         self._log = log_path.open("w")
         self._stop = threading.Event()
@@ -130,11 +130,13 @@ class UserPool:
         self._log.write(json.dumps(dataclasses.asdict(rec)) + "\n")
 
     async def _run(self) -> None:
-        base_url, api_key, model = self.args
-        client = make_client(base_url, api_key, timeout_s=120, concurrency=self.num_users)
-        users = [SimUser(i, client, model, self.preference, random.Random(f"{self.seed}/{i}"),
+        clients = {key: make_client(self.base_url, key, timeout_s=120,
+                                    concurrency=len(self.members))
+                   for key in dict.fromkeys(k for k, _ in self.members)}
+        users = [SimUser(i, clients[key], self.model, pref, random.Random(f"{self.seed}/{i}"),
                          turns_per_session=3, run_tag=f"demo{self.seed}",
-                         on_interaction=self._record) for i in range(self.num_users)]
+                         on_interaction=self._record, type_weights=self.type_weights)
+                 for i, (key, pref) in enumerate(self.members)]
 
         async def drive(user: SimUser) -> None:
             while not self._stop.is_set():
@@ -143,18 +145,21 @@ class UserPool:
         try:
             await asyncio.gather(*(drive(u) for u in users))
         finally:
-            await client.close()
+            for client in clients.values():
+                await client.close()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=180)
         self._log.close()
 
-    def rate_by_version(self) -> dict[int, tuple[float, int]]:
-        """Live satisfaction rate of the replies each policy version served: (rate, n)."""
+    def rate_by_version(self, users: set[int] | None = None) -> dict[int, tuple[float, int]]:
+        """Live satisfaction rate of the replies each policy version served (of ``users``
+        only, when given): (rate, n)."""
         by: dict[int, list[bool]] = {}
         for rec in list(self.interactions):
-            if rec.satisfied is not None and rec.policy_version is not None:
+            if (rec.satisfied is not None and rec.policy_version is not None
+                    and (users is None or rec.user in users)):
                 by.setdefault(rec.policy_version, []).append(rec.satisfied)
         return {v: (sum(s) / len(s), len(s)) for v, s in sorted(by.items())}
 
@@ -176,8 +181,8 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
         f"of replies ({before.n} held-out evaluation requests, policy "
         f"v{max(before.policy_versions)})")
     trainer = Trainer(config=cfg.to_dict())
-    pool = UserPool(base_url, api_key, model, users, seed, out / "interactions.jsonl",
-                    phrasing).start()
+    pool = UserPool(base_url, model, [(api_key, BriefReplies(phrasing=phrasing))] * users, seed,
+                    out / "interactions.jsonl").start()
     results = []
     try:
         for _ in range(iterations):

@@ -203,6 +203,16 @@ class SampleBuffer:
     async def stats(self) -> dict[str, Any]:
         return self._core.stats()
 
+    async def forget(self, policy_user: str) -> dict[str, int]:
+        """``SampleBufferCore.forget``: every row of ``policy_user`` leaves the log (an
+        operator's call, ``clawray users delete``). Runs with no seal in flight, on the event
+        loop (the core is not shared with a thread)."""
+        self._start()
+        async with self._seal_lock:
+            out = self._core.forget(policy_user)
+        self._m_queue.set(self._core.available())
+        return out
+
     async def ping(self) -> str:
         return "pong"
 

@@ -41,11 +41,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from clawray.files import fsync_dir
 from clawray.files import write_atomic as _write_atomic
-from clawray.samples import SCHEMA, SampleValidationError, concat, rows_to_batch, validate_batch
+from clawray.samples import (SCHEMA, SampleValidationError, concat, policy_user_of, redact,
+                             rows_to_batch, validate_batch)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,11 @@ _SEGMENT = re.compile(r"^seg-(\d{12})\.parquet$")
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def pc_equal(column: Any, value: str) -> np.ndarray:
+    """``column == value`` as booleans, null rows false."""
+    return pc.fill_null(pc.equal(column, value), False).to_numpy(zero_copy_only=False)
 
 
 def segment_name(seq: int) -> str:
@@ -534,6 +541,86 @@ class SampleBufferCore:
         if checkpoint:
             self.save_checkpoint()
         return consumed, returned
+
+    def forget(self, policy_user: str, checkpoint: bool = True) -> dict[str, int]:
+        """The right to be forgotten: remove every row of ``policy_user`` from the log.
+
+        Each sealed segment holding such rows is rewritten atomically with them redacted
+        (``clawray.samples.redact``: the same number of rows, so positions and the checkpoint
+        stay valid) and they are settled, never delivered; rows still open (not sealed) are
+        dropped; queued rows not taken yet leave the queue; a lease holding some is revoked
+        (its other rows go back to the front of the queue, and the taker's ack of it does
+        nothing: rows it trains anyway are repeats the learner drops by ``sample_id``). The
+        batch a taker already holds may still be trained once. Returns counts."""
+        out = {"rows": 0, "segments": 0, "open_rows": 0, "leases_revoked": 0}
+        forgotten: dict[int, np.ndarray] = {}
+        for seq in sorted(self._segments):
+            path = self.path / segment_name(seq)
+            table = pq.read_table(path, schema=SCHEMA)
+            mask = np.asarray(pc_equal(policy_user_of(table), policy_user), dtype=bool)
+            if not mask.any():
+                continue
+            clean = redact(table, mask)
+            _write_atomic(path, lambda f: pq.write_table(clean, f, compression=self.compression))
+            forgotten[seq] = mask
+            self._settle(seq, np.flatnonzero(mask))
+            out["rows"] += int(mask.sum())
+            out["segments"] += 1
+        kept = []
+        for batch in self._open:
+            mine = np.asarray(pc_equal(policy_user_of(pa.Table.from_batches([batch])),
+                                       policy_user), dtype=bool)
+            out["open_rows"] += int(mine.sum())
+            if not mine.all():
+                kept.append(batch.filter(pa.array(~mine)))
+        self._open, self._open_rows = kept, sum(b.num_rows for b in kept)
+        if not self._open_rows:
+            self._open_since = None
+        if not forgotten:
+            return out
+
+        def keep_of(seq: int, rows: np.ndarray) -> np.ndarray:
+            return ~forgotten[seq][rows] if seq in forgotten else np.ones(len(rows), bool)
+
+        for lease_id, lease in list(self._leases.items()):
+            if all(keep_of(seq, rows).all() for seq, rows in lease.rows):
+                continue
+            del self._leases[lease_id]
+            out["leases_revoked"] += 1
+            back = []
+            for part, (seq, rows) in zip(lease.parts, lease.rows):
+                left = np.flatnonzero(keep_of(seq, rows))
+                if len(left):
+                    objects = np.arange(part.offset, part.num_rows)[left]
+                    batch = self._get(part.ref).take(pa.array(objects))
+                    back.append(_Queued(seq, self._put(batch), len(left), 0,
+                                        part.versions[objects], rows[left], part.seg_rows))
+            for q in reversed(back):
+                self._queue.appendleft(q)
+        for q in list(self._queue):
+            if q.seq not in forgotten:
+                continue
+            rows = (q.origin if q.origin is not None else np.arange(q.num_rows))[
+                q.offset:q.num_rows]
+            keep = np.flatnonzero(keep_of(q.seq, rows))
+            if len(keep) == len(rows):
+                continue
+            if len(keep):
+                q.ref = self._put(self._get(q.ref).slice(q.offset).take(pa.array(keep)))
+            q.versions = q.versions[q.offset:q.num_rows][keep]
+            q.origin, q.num_rows, q.offset = rows[keep], len(keep), 0
+            if not len(keep):
+                self._queue.remove(q)
+        for d in list(self._disk):
+            if d.seq in forgotten:
+                base = d.keep if d.keep is not None else np.arange(d.start, d.seg_rows)
+                d.keep = base[keep_of(d.seq, base)]
+                if not len(d.keep):
+                    self._disk.remove(d)
+        self._advance()
+        if checkpoint:
+            self.save_checkpoint()
+        return out
 
     def expire(self, now: float | None = None) -> int:
         """Put the rows of leases past their deadline back at the front of the queue (oldest

@@ -4,10 +4,11 @@
 driver and the side-turn evaluation; ``python -m clawray.sim`` runs them from a shell.
 """
 
-from clawray.sim.preferences import PREFERENCES, BriefReplies, Preference, get_preference
+from clawray.sim.preferences import (PREFERENCES, BriefReplies, DetailedReplies, Preference,
+                                     get_preference)
 from clawray.sim.users import (EvalResult, Interaction, SimUser, evaluate, make_request,
                                parse_policy_version, run_users, satisfaction_rate)
 
-__all__ = ["PREFERENCES", "BriefReplies", "EvalResult", "Interaction", "Preference", "SimUser",
+__all__ = ["PREFERENCES", "BriefReplies", "DetailedReplies", "EvalResult", "Interaction", "Preference", "SimUser",
            "evaluate", "get_preference", "make_request", "parse_policy_version", "run_users",
            "satisfaction_rate"]

@@ -15,7 +15,8 @@ frames) and the rest (new words) separately.
 - ``keywords``: the heuristic rule judge's own keywords, for protocol tests and the quickstart
   that run the loop with that judge (it measures nothing about a judge).
 
-Negative bodies say what went wrong (too long, unreadable, empty), as a person would. The
+Negative bodies say what went wrong (too long, unreadable, empty, or too short for a user who
+wants detail), as a person would. The
 pools are written as people talk, not to match the keyword lists of the heuristic rule judge
 (``clawray/judging/rules.py``), whose accuracy on them is measured, not assumed
 (``clawray judge-sft`` reports both).
@@ -28,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-REASONS = ("long", "unreadable", "empty")
+REASONS = ("long", "unreadable", "empty", "short")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +42,7 @@ class PhrasingPool:
     positive_bodies: tuple[str, ...]
     positive_closers: tuple[str, ...]
     negative_openers: tuple[str, ...]
-    negative_bodies: dict[str, tuple[str, ...]]  # by reason: long, unreadable, empty
+    negative_bodies: dict[str, tuple[str, ...]]  # by reason: long, unreadable, empty, short
     negative_closers: tuple[str, ...]
 
     def words(self, satisfied: bool) -> set[str]:
@@ -74,6 +75,8 @@ PHRASINGS: dict[str, PhrasingPool] = {
                            "that's gibberish"),
             "empty": ("you said nothing", "that reply is blank", "I got no words back",
                       "that was empty"),
+            "short": ("say more than that", "that is too thin", "I wanted the details",
+                      "you can go into more depth"),
         },
         negative_closers=(".", "!", ", do it again shorter.", ". Give it another go.", "?!"),
     ),
@@ -89,6 +92,7 @@ PHRASINGS: dict[str, PhrasingPool] = {
                      "that's way too long"),
             "unreadable": ("that's garbled", "I can't read that"),
             "empty": ("there's nothing there", "you said nothing"),
+            "short": ("flesh it out", "more detail please"),
         },
         negative_closers=(", once more.", ". Shorter next round."),
     ),
@@ -106,6 +110,8 @@ PHRASINGS: dict[str, PhrasingPool] = {
                      "that's a wall of text", "can you cut that down", "that goes on and on"),
             "unreadable": ("that makes no sense", "what is that mess"),
             "empty": ("where's the answer", "I got no words back"),
+            "short": ("that is too terse", "tell me a lot more", "I need the full picture",
+                      "elaborate a bit"),
         },
         negative_closers=(". Again but brief.", ". One more time, tighter.", ". Redo that.",
                           "..."),
@@ -123,6 +129,7 @@ PHRASINGS: dict[str, PhrasingPool] = {
             "long": ("too long", "I want it shorter", "fewer words"),
             "unreadable": ("I can't read it", "no real words"),
             "empty": ("it is empty", "nothing came back"),
+            "short": ("too short", "I want it longer", "more words"),
         },
         negative_closers=(". Try again.", ", redo it."),
     ),
@@ -139,7 +146,7 @@ def phrasing_pool(name: str) -> PhrasingPool:
 
 def react(pool: str, satisfied: bool, reason: str, rng: random.Random) -> str:
     """A user's reaction from phrasing pool ``pool``: approval when ``satisfied``, else a
-    complaint about ``reason`` (long, unreadable, empty)."""
+    complaint about ``reason`` (``REASONS``: long, unreadable, empty, short)."""
     p = phrasing_pool(pool)
     if satisfied:
         opener, body, closer = (rng.choice(p.positive_openers), rng.choice(p.positive_bodies),

@@ -83,13 +83,37 @@ class BriefReplies:
         return react(self.phrasing, satisfied, reason_of(reply_text), rng)
 
 
-def reason_of(reply_text: str) -> str:
-    """What a rejected reply got wrong, in the words of ``feedback.REASONS``."""
+def reason_of(reply_text: str, too: str = "long") -> str:
+    """What a rejected reply got wrong, in the words of ``feedback.REASONS``: empty,
+    unreadable, else ``too`` ("long" for a user who wants brief replies, "short" for one who
+    wants detail)."""
     return ("empty" if not reply_text.strip() else "unreadable" if not readable(reply_text)
-            else "long")
+            else too)
 
 
-PREFERENCES: dict[str, Callable[[], Preference]] = {"brief": BriefReplies}
+@dataclasses.dataclass(frozen=True)
+class DetailedReplies:
+    """The opposite of ``BriefReplies``: satisfied by a readable reply of at least
+    ``min_words`` words. On the embedded model it is met by ~95% of question replies and
+    ~1-5% of greeting and request replies (the reverse of "brief"), so one policy cannot
+    please both kinds of user: the per-user demonstration (``clawray demo --per-user``)."""
+
+    min_words: int = 10
+    name: str = "detailed"
+    phrasing: str = "users"
+
+    def describe(self) -> str:
+        return f"this user wants detailed, readable replies: at least {self.min_words} words"
+
+    def satisfied(self, reply_text: str) -> bool:
+        return len(reply_text.split()) >= self.min_words and readable(reply_text)
+
+    def feedback(self, reply_text: str, satisfied: bool, rng: random.Random) -> str:
+        return react(self.phrasing, satisfied, reason_of(reply_text, too="short"), rng)
+
+
+PREFERENCES: dict[str, Callable[[], Preference]] = {"brief": BriefReplies,
+                                                    "detailed": DetailedReplies}
 
 
 def get_preference(name: str) -> Preference:

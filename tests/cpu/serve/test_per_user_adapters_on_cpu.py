@@ -2,7 +2,8 @@
 published on the app's control channel, serves that user's requests and only theirs; a key
 that is not a trusted app cannot reach it by naming the user; deleting it returns the user to
 the shared policy. Greedy ids are checked against the adapter merged into its own copy of the
-model."""
+model. ``model: "<model>:<user>"`` addresses the same adapter, for the caller's own user
+only."""
 
 from __future__ import annotations
 
@@ -31,11 +32,13 @@ def test_a_users_adapter_serves_that_user_only(served, tiny_model_path):
     assert done["replicas"] and set(done["replicas"].values()) == {1}
     assert publisher.status()["adapters"] == {ann: 1}
 
-    def ask(key: str, user: str, marker: str):
+    def ask(key: str, user: str | None, marker: str, model: str = served.model):
         client = openai.OpenAI(base_url=served.base_url, api_key=key, max_retries=0)
-        client.chat.completions.create(
-            model=served.model, messages=[{"role": "user", "content": f"{PROMPT} {marker}"}],
-            max_tokens=8, temperature=0.0, user=user, extra_headers={"X-Session-Id": marker})
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"{PROMPT} {marker}"}],
+            max_tokens=8, temperature=0.0, extra_headers={"X-Session-Id": marker},
+            **({"user": user} if user else {}))
+        assert r.model == model
         [rec] = served.records(session_id=marker)
         return rec
 
@@ -53,6 +56,12 @@ def test_a_users_adapter_serves_that_user_only(served, tiny_model_path):
             r = recs[name]
             assert r.response_ids == reference_greedy(model, r.prompt_ids, len(r.response_ids)), name
         assert recs["ann"].policy_version == 1  # the adapter's version
+        # Ray Serve LLM's naming: "<model>:<user>", the caller's own user only
+        named = ask(served.api_key, None, "pu-ann-named", f"{served.model}:ann")
+        assert named.sampling["adapter"] == ann and named.response_ids == reference_greedy(
+            tuned, named.prompt_ids, len(named.response_ids))
+        with pytest.raises(openai.PermissionDeniedError, match="only its own policy"):
+            ask(OTHER_KEY, None, "pu-other-named", f"{served.model}:ann")
     finally:
         assert publisher.delete_adapter(ann)
     assert publisher.status()["adapters"] == {}

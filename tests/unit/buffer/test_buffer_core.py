@@ -384,3 +384,52 @@ def test_retention_deletes_consumed_segments_only(tmp_path):
     old.save_checkpoint()
     assert old.collect_garbage(now=time.time() + 0.5 * 86400) == []  # not old enough yet
     assert old.collect_garbage(now=time.time() + 2 * 86400) == [0]
+
+
+def user_row(i: int, user: str | None) -> dict:
+    r = row(i)
+    r.update(policy_user=user, tenant="t", user=user, session_id=f"sess-{user}-{i}",
+             feedback_text=f"{user} says thanks")
+    return r
+
+
+def test_forgetting_a_user_removes_their_rows_everywhere_and_keeps_the_rest(tmp_path):
+    """The right to be forgotten: sealed, queued, on-disk, leased and open rows of one user
+    are gone from the log and never delivered; everyone else's rows arrive exactly once, in
+    order, also after a restart."""
+    core, _ = leased(tmp_path, seal_rows=100, max_queued_rows=6)
+    who = ["ann" if i % 3 == 0 else "bob" for i in range(20)]
+    for a, b in ((0, 6), (6, 12), (12, 18)):  # seg 0 queued; segs 1 and 2 wait on disk
+        core.add([user_row(i, who[i]) for i in range(a, b)])
+        core.seal()
+    held = core.take(4)  # a lease holding ann's rows 0 and 3
+    core.add([user_row(i, who[i]) for i in (18, 19)])  # open, not sealed
+    out = core.forget("ann")
+    assert out == {"rows": 6, "segments": 3, "open_rows": 1, "leases_revoked": 1}
+    assert core.ack([held[0].lease]) == 0  # the revoked lease settles nothing
+    core.seal()
+    bob = [f"s-{i:04d}" for i in range(20) if who[i] == "bob"]
+    got = core.take(len(bob))
+    assert ids(core, got) == bob and core.take(1) == []
+    # on disk: ann's rows are blank rows that keep the log's positions; bob's are untouched
+    table = ds.dataset(tmp_path, format="parquet").to_table().sort_by("sample_id")
+    gone = table.filter(ds.field("source") == "forgotten").to_pylist()
+    assert len(gone) == 6 and table.num_rows == 19  # ann's open row 18 was never written
+    assert all(r["policy_user"] is None and r["user"] is None and r["prompt_ids"] == []
+               and r["response_ids"] == [] and r["feedback_text"] is None for r in gone)
+    assert "ann" not in json.dumps(table.to_pylist(), default=str)
+    # a restart delivers nothing of ann's and, once bob's rows are acknowledged, nothing at all
+    core.ack([got[0].lease])
+    again, _ = leased(tmp_path)
+    assert again.take(1) == [] and again.stats()["consumed"] == {"seq": 3, "offset": 1}
+    assert core.forget("nobody") == {"rows": 0, "segments": 0, "open_rows": 0,
+                                     "leases_revoked": 0}
+
+
+def test_forgetting_before_a_restart_settles_the_rows_in_the_checkpoint(tmp_path):
+    core, _ = leased(tmp_path)
+    core.add([user_row(i, "ann" if i < 2 else "bob") for i in range(4)])
+    core.seal()
+    core.forget("ann")
+    again, _ = leased(tmp_path)
+    assert ids(again, again.take(2)) == ["s-0002", "s-0003"] and again.take(1) == []

@@ -165,8 +165,22 @@ def test_clawray_users_lists_exports_and_deletes(make_bank, rows, tmp_path, caps
     assert main(["users", "export", "key-a/ann", "--dir", str(folder),
                  "--out", str(tmp_path / "peft")]) == 0
     assert (tmp_path / "peft" / "adapter_model.safetensors").exists()
-    assert main(["users", "delete", "key-a/ann", "--dir", str(folder)]) == 0
-    assert bank.store.users() == []
+    # a sample log holding ann's and bob's rows: delete forgets ann's rows with her adapter
+    from clawray.buffer.core import SampleBufferCore, fetch
+
+    log = tmp_path / "samples"
+    core = SampleBufferCore(log)
+    core.add([dict(r, sample_id=f"s-{i}", policy_user=u) for i, (r, u) in enumerate(
+        zip(rows.to_pylist(), ["key-a/ann", "key-a/bob"] * len(rows)))])
+    core.seal()
+    del core
     capsys.readouterr()
-    assert main(["users", "delete", "key-a/ann", "--dir", str(folder)]) == 2
+    delete = ["users", "delete", "key-a/ann", "--dir", str(folder), "--samples", str(log)]
+    assert main(delete) == 0
+    assert "adapter and optimizer state deleted; 4 rows forgotten" in capsys.readouterr().out
+    assert bank.store.users() == []
+    again = SampleBufferCore(log)
+    assert fetch(again.take(4)).column("policy_user").to_pylist() == ["key-a/bob"] * 4
+    assert again.take(1) == []
+    assert main(delete) == 2  # nothing of hers is left: said so, not a silent success
     assert "has no adapter" in capsys.readouterr().err

@@ -3,6 +3,8 @@ version it started on, the version it ended on, and the version of every token."
 
 from __future__ import annotations
 
+import pytest
+
 from clawray.config import ServingConfig
 from clawray.inference.engine import TokenDelta, TokenOutput
 from clawray.serve.chat import ChatService
@@ -153,3 +155,42 @@ async def test_a_user_with_an_adapter_is_served_by_it_and_others_by_the_base(tin
     assert [p.adapter for p in policy.params] == [f"{app}/ann", None]
     # the record says which adapter sampled the turn
     assert [r.sampling["adapter"] for r in sink.records] == [f"{app}/ann", None]
+
+
+async def test_a_client_may_address_its_own_users_policy_as_model_colon_user(tiny_tokenizer):
+    """``model: "<served>:<user>"`` (Ray Serve LLM's adapter naming): a trusted app names one
+    of its end users, any other key only its own tenant id; anything else is refused in the
+    API's error format, and the response echoes the model as asked."""
+    from clawray.serve.auth import tenant_of_key
+    from clawray.serve.protocol import APIError
+
+    app, other = tenant_of_key("sk-app"), tenant_of_key("sk-other")
+    policy = AdapterPolicy({f"{app}/ann": 4, other: 2})
+    sink = ListSink()
+    svc = ChatService(tiny_tokenizer, policy, "m", 4096,
+                      ServingConfig(trusted_app_tenants=[app]), sink)
+
+    async def ask(model, tenant, fields=None):
+        req = ChatCompletionRequest(model=model, messages=[{"role": "user", "content": "hi"}],
+                                    max_tokens=4)
+        return await complete(svc, await svc.prepare(to_turn_request(req, fields or {}),
+                                                     {"x-session-id": "s"}, tenant))
+
+    body = await ask("m:ann", app)
+    assert body["model"] == "m:ann" and policy.params[-1].adapter == f"{app}/ann"
+    assert (sink.records[-1].user, sink.records[-1].policy_user) == ("ann", f"{app}/ann")
+    await ask("m:bob", app)  # an end user without an adapter yet: the shared policy
+    assert policy.params[-1].adapter is None and sink.records[-1].policy_user == f"{app}/bob"
+    await ask(f"m:{other}", other)  # a plain key addresses its own policy by its tenant id
+    assert policy.params[-1].adapter == other
+    served = len(policy.params)
+    for model, tenant, fields, status in (
+            ("m:ann", other, None, 403),  # a plain key cannot reach an app's end user
+            (f"m:{app}/ann", other, None, 403),
+            (f"m:{other}", app, {"user": "ann"}, 400),  # model and user disagree
+            ("m:", app, None, 404), ("n:ann", app, None, 404), ("other", app, None, 404),
+            ("m:" + "x" * 501, app, None, 400)):
+        with pytest.raises(APIError) as e:
+            await ask(model, tenant, fields)
+        assert e.value.status == status and e.value.param == "model", (model, e.value.message)
+    assert len(policy.params) == served  # nothing refused reached the engine

@@ -13,7 +13,7 @@ import pytest
 
 from clawray.judging.rules import classify_next_state
 from clawray.models.corpus import REPLY_GREETING, REPLY_OTHER, REPLY_QUESTION
-from clawray.sim import (BriefReplies, Preference, SimUser, get_preference, make_request,
+from clawray.sim import (BriefReplies, DetailedReplies, Preference, SimUser, get_preference, make_request,
                          parse_policy_version, run_users, satisfaction_rate)
 from clawray.sim.feedback import PHRASINGS
 from clawray.sim.users import FILL_ORDER, MESSAGE_TYPES, POOL_NAMES, POOLS, eval_messages
@@ -47,6 +47,29 @@ def test_brief_preference_on_the_canned_replies():
     assert not pref.satisfied("one two three four five six seven eight nine")
     with pytest.raises(ValueError, match="unknown preference"):
         get_preference("verbose")
+
+
+def test_detailed_is_the_opposite_of_brief_on_readable_replies():
+    pref = DetailedReplies()
+    assert isinstance(pref, Preference) and get_preference("detailed") == pref
+    assert pref.satisfied(REPLY_QUESTION)  # 12 words
+    assert not pref.satisfied(REPLY_GREETING) and not pref.satisfied(REPLY_OTHER)
+    assert not pref.satisfied("one two three four five six seven eight nine")
+    assert pref.satisfied("one two three four five six seven eight nine ten")
+    assert not pref.satisfied(", , , , , , , , , , , ,")  # ten "words" of punctuation
+    for reply in REPLIES:
+        if reply.strip() and len(reply.split()) <= 8:  # readable here: brief xor detailed
+            assert BriefReplies().satisfied(reply) != pref.satisfied(reply), reply
+    rng, words = random.Random(0), PHRASINGS["users"]
+    for reply in REPLIES:
+        ok = pref.satisfied(reply)
+        feedback = pref.feedback(reply, ok, rng)
+        assert sentiment(feedback) == ok, feedback
+        if not ok and reply.strip():
+            assert any(b.lower() in feedback.lower() for b in words.negative_bodies["short"]), \
+                (reply, feedback)
+    said = DetailedReplies(phrasing="keywords").feedback("Hi.", False, rng)
+    assert verdict(said) == -1, said  # the heuristic judge reads the keyword wording
 
 
 def test_feedback_follows_the_preference_and_says_what_was_wrong():

@@ -1,0 +1,57 @@
+"""``clawray demo --per-user`` without running it: both modes' settings are valid and differ
+only in per-user training, every simulated user has a key of their own, and the seeds'
+figures aggregate to means and standard errors per mode and group."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from clawray.apps.per_user_demo import (GROUPS, MODES, aggregate, make_members, per_user_demo_config,
+                                        plot)
+from clawray.config import ClawRayConfig
+
+
+def test_both_modes_are_valid_configs_that_differ_only_in_per_user_training(tmp_path):
+    members = make_members(0, 2)
+    keys = [k for _, _, k in members]
+    assert [g for g, _, _ in members] == ["brief", "brief", "detailed", "detailed"]
+    assert len(set(keys)) == 4 and len(set(make_members(0, 2)) & set(members)) == 0
+    cfgs = {m: per_user_demo_config(ClawRayConfig(), tmp_path, 0, m, keys).validate()
+            for m in MODES}
+    shared, per_user = (cfgs[m].to_dict() for m in MODES)
+    assert per_user["training"]["per_user"] and not shared["training"]["per_user"]
+    for cfg in (shared, per_user):
+        assert cfg["training"]["lora_rank"] > 0 and cfg["serving"]["api_keys"] == keys
+    shared["training"]["per_user"] = True
+    assert shared == per_user  # the same budget, learner, buffer and judge otherwise
+    with pytest.raises(ValueError, match="unknown mode"):
+        per_user_demo_config(ClawRayConfig(), tmp_path, 0, "both", keys)
+
+
+def summary(seed: int, mode: str, before: dict, after: dict) -> dict:
+    ev = lambda g: {"groups": g, "users": {}, "errors": 0}  # noqa: E731
+    return {"seed": seed, "mode": mode, "budget": 100, "rows_trained": 100, "steps": 4,
+            "eval_pool": "test", "eval_n_per_user": 60, "users_per_group": 2, "lr": 1e-3,
+            "lora_rank": 8, "judge": "function", "before": ev(before), "after": ev(after),
+            "curve": [{"step": 1, "rows_trained": 50, "live": {"brief": 0.4, "detailed": None}},
+                      {"step": 2, "rows_trained": 100, "live": {"brief": 0.6, "detailed": 0.5}}],
+            "user_errors": 0}
+
+
+def test_seeds_aggregate_per_mode_and_group_with_standard_errors(tmp_path):
+    runs = [summary(s, "per_user", {"brief": 0.4, "detailed": 0.6},
+                    {"brief": 0.4 + r, "detailed": 0.7}) for s, r in enumerate((0.2, 0.3, 0.4))]
+    runs.append(summary(0, "shared", {"brief": 0.4, "detailed": 0.6},
+                        {"brief": 0.5, "detailed": 0.5}))
+    agg = aggregate(runs)
+    brief = agg["modes"]["per_user"]["groups"]["brief"]
+    assert brief["rise"]["values"] == pytest.approx([0.2, 0.3, 0.4])
+    assert brief["rise"]["mean"] == pytest.approx(0.3)
+    assert brief["rise"]["stderr"] == pytest.approx(0.1 / math.sqrt(3))  # sd 0.1, n - 1
+    assert agg["modes"]["shared"]["groups"]["detailed"]["rise"]["mean"] == pytest.approx(-0.1)
+    assert agg["modes"]["shared"]["groups"]["detailed"]["rise"]["stderr"] is None  # one seed
+    assert set(agg["modes"]["per_user"]["groups"]) == set(GROUPS)
+    plot(agg, runs, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 10_000

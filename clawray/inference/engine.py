@@ -45,6 +45,11 @@ class SamplingParams:
     # The LoRA adapter to sample from (per-user policies: the engine's ``load_adapter``);
     # None: the base (shared) policy.
     adapter: str | None = None
+    # With ``adapter``: when the engine does not serve that adapter (not published yet,
+    # evicted, a replica that has not caught up), the base policy samples instead and the
+    # outputs say so (``fell_back``); without it, such a request fails. Resolved by the policy
+    # clients of clawray.serve.policy_server, in front of the engine.
+    adapter_fallback: bool = False
 
     def __post_init__(self) -> None:
         if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
@@ -88,6 +93,8 @@ class TokenOutput:
     token_versions: list[int] | None = None
     # With params.top_logprobs > 0: per token, the most likely (id, raw log-prob), best first.
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # params.adapter was not served here and the base policy sampled this (adapter_fallback).
+    fell_back: bool = False
 
     def versions(self) -> list[int]:
         """One policy version per token id."""
@@ -115,6 +122,8 @@ class TokenDelta:
     token_versions: list[int] | None = None
     # With params.top_logprobs > 0: per token id, the most likely (id, raw log-prob).
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # params.adapter was not served here and the base policy sampled this (adapter_fallback).
+    fell_back: bool = False
 
     def versions(self) -> list[int]:
         """One policy version per token id."""

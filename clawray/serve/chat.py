@@ -93,6 +93,11 @@ class PreparedTurn:
     starts_in_reasoning: bool = False  # the prompt ended inside an open <think>
 
 
+def _base_params(params: SamplingParams) -> SamplingParams:
+    """What sampled a request whose adapter the engine did not serve: the base policy."""
+    return dataclasses.replace(params, adapter=None, adapter_fallback=False)
+
+
 class ChatService:
     def __init__(
         self,
@@ -177,7 +182,8 @@ class ChatService:
             repetition_penalty=req.repetition_penalty,
             logit_bias=tuple(sorted(req.logit_bias.items())),
             structural_tag=constraint,
-            adapter=self._adapter_of(meta),
+            adapter=(adapter := self._adapter_of(meta)),
+            adapter_fallback=adapter is not None,
         )
         return PreparedTurn(
             request_id=f"{req.id_prefix}{uuid.uuid4().hex}",
@@ -251,6 +257,8 @@ class ChatService:
                                         list(out.token_ids), list(out.logprobs), reasoning,
                                         out.top_logprobs))
             completion_tokens += len(out.token_ids)
+            if out.fell_back:  # the engine had no adapter for the user: the base served
+                turn.params = _base_params(turn.params)
             self._record(turn, out.index, out.token_ids, out.logprobs, finish, out.policy_version,
                          out.policy_version_end, content, call_dicts, out.versions())
         version = max((o.policy_version_end or o.policy_version) for o in outputs)
@@ -270,6 +278,8 @@ class ChatService:
         try:
             first = await anext(deltas, None)
             cached = first.cached_tokens if first is not None else None
+            if first is not None and first.fell_back:
+                turn.params = _base_params(turn.params)
             yield Opened(first.policy_version if first is not None else 0, cached)
             async for delta in _chain(first, deltas):
                 st = states[delta.index]
@@ -306,11 +316,13 @@ class ChatService:
             raise api_error_of(e) from None
 
     def _adapter_of(self, meta: SessionMeta) -> str | None:
-        """The policy user's own adapter when this replica's engine serves one (per-user
-        policies, colocated layout); else None: the shared policy."""
+        """The policy user's own adapter when the engine serves one (per-user policies), else
+        None: the shared policy. The colocated ingress sees its engine's adapters; the split
+        layout's cannot, so it names the user's adapter and the PolicyServer replica falls back
+        to the shared policy if it has none (``adapter_fallback``, recorded as served)."""
         adapters = getattr(self.policy, "adapters", None)
         if not callable(adapters):
-            return None
+            return meta.policy_user if getattr(self.policy, "names_adapters", False) else None
         return meta.policy_user if meta.policy_user in adapters() else None
 
     def _addressed_user(self, model: str | None, fields: Mapping[str, Any], tenant: str

@@ -89,7 +89,8 @@ class IngressCore:
         else:
             self.core = None
             info = policy_model_info(cfg)
-            policy = HandlePolicy(policy_handle)
+            policy = HandlePolicy(policy_handle,
+                                  names_adapters=cfg.inference_cfg.max_loras > 0)
             max_len = cfg.model_cfg.max_model_len or info.max_model_len
         # Mirrors the app's switches (and, colocated, applies published weights).
         self.receiver: WeightReceiver | None = (

@@ -13,15 +13,18 @@ published weights are swapped in between generation steps, without refusing any 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 
 import logging
+from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 from ray import serve
 
 from clawray.config import ClawRayConfig
-from clawray.inference.engine import Engine, EngineStatus, SamplingParams, TokenDelta, TokenOutput
+from clawray.inference.engine import (Engine, EngineError, EngineStatus, SamplingParams,
+                                     TokenDelta, TokenOutput)
 from clawray.inference.factory import make_engine
 from clawray.models.loader import ModelInfo, policy_model_info
 from clawray.weights.receiver import WeightReceiver, start_receiver
@@ -54,6 +57,55 @@ class SessionCounts:
         return dict(self.counts.most_common(n))
 
 
+def _serves(engine: Engine, adapter: str) -> bool:
+    adapters = getattr(engine, "adapters", None)
+    return callable(adapters) and adapter in adapters()
+
+
+def resolve_adapter(engine: Engine, params: SamplingParams) -> tuple[SamplingParams, bool]:
+    """``params`` as this engine can serve them: with ``adapter_fallback``, an adapter the
+    engine does not serve now becomes the base policy (then True: fell back)."""
+    if params.adapter is None or not params.adapter_fallback or _serves(engine, params.adapter):
+        return params, False
+    return dataclasses.replace(params, adapter=None, adapter_fallback=False), True
+
+
+async def generate_on(engine: Engine, prompt_ids: list[int], params: SamplingParams
+                      ) -> list[TokenOutput]:
+    """``engine.generate`` with ``params.adapter_fallback`` resolved: also when the adapter
+    left the engine between the check and the engine taking the request (an LRU eviction, a
+    deletion), the base policy serves it; the outputs say ``fell_back``."""
+    asked = params
+    params, fell_back = resolve_adapter(engine, params)
+    try:
+        outputs = await engine.generate(prompt_ids, params)
+    except EngineError:
+        if fell_back or not asked.adapter_fallback or _serves(engine, asked.adapter or ""):
+            raise
+        params, fell_back = dataclasses.replace(params, adapter=None, adapter_fallback=False), True
+        outputs = await engine.generate(prompt_ids, params)
+    if fell_back:
+        for out in outputs:
+            out.fell_back = True
+    return outputs
+
+
+def stream_on(engine: Engine, prompt_ids: list[int], params: SamplingParams
+              ) -> AsyncIterator[TokenDelta]:
+    """``engine.generate_stream`` with ``params.adapter_fallback`` resolved (the deltas of a
+    fallen-back request say ``fell_back``)."""
+    params, fell_back = resolve_adapter(engine, params)
+    stream = engine.generate_stream(prompt_ids, params)
+    return _marked(stream) if fell_back else stream
+
+
+async def _marked(stream: AsyncIterator[TokenDelta]) -> AsyncIterator[TokenDelta]:
+    async with aclosing(stream) as deltas:  # type: ignore[type-var]
+        async for delta in deltas:
+            delta.fell_back = True
+            yield delta
+
+
 class LocalPolicy:
     """The engine in this process (the colocated layout)."""
 
@@ -64,12 +116,12 @@ class LocalPolicy:
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        session_key: str | None = None) -> list[TokenOutput]:
         self.sessions.seen(session_key)
-        return await self.engine.generate(prompt_ids, params)
+        return await generate_on(self.engine, prompt_ids, params)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams,
                session_key: str | None = None) -> AsyncIterator[TokenDelta]:
         self.sessions.seen(session_key)
-        return self.engine.generate_stream(prompt_ids, params)
+        return stream_on(self.engine, prompt_ids, params)
 
     async def status(self) -> EngineStatus:
         status = await self.engine.status()
@@ -85,9 +137,12 @@ class LocalPolicy:
 class HandlePolicy:
     """A PolicyServer deployment behind a Serve handle."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, names_adapters: bool = False) -> None:
         self.handle = handle
         self._streaming = handle.options(stream=True)
+        # Per-user adapters may be served (inference.max_loras > 0): a request names its
+        # user's adapter and the replica falls back to the base if it has none.
+        self.names_adapters = names_adapters
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        session_key: str | None = None) -> list[TokenOutput]:
@@ -130,12 +185,12 @@ class PolicyCore:
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        session_key: str | None = None) -> list[TokenOutput]:
         self.sessions.seen(session_key)
-        return await self.engine.generate(prompt_ids, params)
+        return await generate_on(self.engine, prompt_ids, params)
 
     async def generate_stream(self, prompt_ids: list[int], params: SamplingParams,
                               session_key: str | None = None) -> AsyncIterator[TokenDelta]:
         self.sessions.seen(session_key)
-        async for delta in self.engine.generate_stream(prompt_ids, params):
+        async for delta in stream_on(self.engine, prompt_ids, params):
             yield delta
 
     async def prompt_logprobs(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:

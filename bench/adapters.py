@@ -141,7 +141,8 @@ async def run_engine(name: str, path: str, counts: list[int], args: argparse.Nam
             out["levels"][str(n)] = r
             base = out["levels"]["0"]["rps"] if "0" in out["levels"] else None
             r["rps_vs_base"] = r["rps"] / base if base else None
-            print(f"{name}: {n:>3} adapters  {r['rps']:6.1f} req/s"
+            label = f"{n} adapters" if n else "base"
+            print(f"{name}: {label:>11}  {r['rps']:6.1f} req/s"
                   + (f" ({r['rps_vs_base']:.2f}x base)" if base else "")
                   + f"  p50 {r['p50_ms']:.0f} ms  p90 {r['p90_ms']:.0f} ms", flush=True)
         if loaded:

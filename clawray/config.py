@@ -388,6 +388,10 @@ class TrainingConfig(_Section):
     per_user_min_rows: int = Field(4, ge=1, description="A user waits until this many rows.")
     per_user_max_rows: int = Field(32, ge=1, description="Rows of one user per update.")
     per_user_max_users: int = Field(4, ge=1, description="Users trained per iteration.")
+    per_user_max_take: int = Field(
+        4096, ge=1, description="Most rows one per-user take looks through: a take that trains "
+        "nobody (rows of many users, each below per_user_min_rows) doubles the next, up to "
+        "this (clawray/training/per_user.py::next_take).")
     user_adapters_dir: str = Field(
         "~/.cache/clawray/users", description="Per-user policies: one LoRA adapter (and its "
         "optimizer state) per user, a folder each (`clawray users list|export|delete`).")

@@ -527,7 +527,8 @@ async def _errors_as_api(source: AsyncIterator[TokenDelta]) -> AsyncIterator[Tok
         raise api_error_of(e) from None
 
 
-async def _chain(first: TokenDelta | None, rest: AsyncIterator[TokenDelta]) -> AsyncIterator[TokenDelta]:
+async def _chain(first: TokenDelta | None, rest: AsyncIterator[TokenDelta]
+                 ) -> AsyncIterator[TokenDelta]:
     if first is not None:
         yield first
     async for item in rest:

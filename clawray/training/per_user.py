@@ -12,7 +12,10 @@ only (``clawray/learner/adapters.py``). ``plan_updates`` decides who and with ho
 - each takes at most ``max_rows`` rows, oldest first: a heavy user's backlog is worked off over
   several iterations while the others get their turn, so no user can starve another.
 
-Rows of users not planned stay in the buffer (their leases are released).
+Rows of users not planned stay in the buffer (their leases are released), at its front. So
+that rows of many users, each below ``min_rows``, cannot fill every take forever (each take
+would see the same rows and train nobody), ``next_take`` doubles the next take after a full
+take that trained nobody, up to a cap, and returns to the batch size once someone trains.
 """
 
 from __future__ import annotations
@@ -43,3 +46,13 @@ def plan_updates(users: Sequence[str | None], last_trained: Mapping[str, int], *
     eligible = [u for u, ix in rows.items() if len(ix) >= min_rows]
     eligible.sort(key=lambda u: (u in last_trained, last_trained.get(u, 0), u))
     return [UserUpdate(u, rows[u][:max_rows]) for u in eligible[:max_users]]
+
+
+def next_take(current: int, batch_size: int, *, trained: bool, taken: int, cap: int) -> int:
+    """Rows the next per-user take asks for, after a take of ``current`` that returned
+    ``taken`` rows and ``trained`` someone (or not): ``batch_size`` again after a training
+    iteration; twice ``current`` (at most ``cap``) after a full take that trained nobody; the
+    same after a short one (the buffer had no more rows: more must arrive)."""
+    if trained:
+        return batch_size
+    return min(2 * current, max(cap, batch_size)) if taken >= current else current

@@ -48,7 +48,7 @@ from clawray.rollout.runner import EnvRunnerGroup
 from clawray.samples import policy_user_of
 from clawray.serve.app import build_app
 from clawray.sessions.pipeline import start_live_pipeline
-from clawray.training.per_user import plan_updates
+from clawray.training.per_user import next_take, plan_updates
 from clawray.weights.nccl import check_nccl_available
 from clawray.weights.publisher import WeightPublisher
 
@@ -140,6 +140,7 @@ class Trainer(tune.Trainable):
             self.publisher.followers.append(self.envs.buffer)
         self.updates = 0
         self.user_updates: dict[str, int] = {}  # per-user mode: each user's last update number
+        self._user_take = self.cfg.training_cfg.batch_size  # per-user mode: the next take
         # Exactly-once in effect: rows come under a lease, acknowledged once trained (or once
         # a checkpoint holds the update, with training.checkpoint_every); rows delivered again
         # (an expired lease, a restarted buffer) that were trained already are dropped here.
@@ -252,6 +253,12 @@ class Trainer(tune.Trainable):
         if losses:
             out["loss"] = float(np.mean(losses))
         out["users_waiting"] = len({u for d, u in zip(done, users) if not d})
+        asked = self._user_take
+        self._user_take = next_take(asked, t.batch_size, trained=bool(plan), taken=len(ids),
+                                    cap=t.per_user_max_take)
+        if self._user_take > asked:
+            logger.info("per-user: no user had %d rows among the %d taken; the next take asks "
+                        "for %d", t.per_user_min_rows, len(ids), self._user_take)
         # acknowledge row by row: each lease's flags in its slices' order
         pending, self._unacked = self._unacked, []
         flags: dict[int, list[bool]] = {}
@@ -296,7 +303,8 @@ class Trainer(tune.Trainable):
         t = self.cfg.training_cfg
         live = self.pipeline.buffer
         if t.mode == "live":
-            return self._leased(live, ray.get(live.take.remote(t.batch_size, t.take_timeout_s,
+            n = self._user_take if t.per_user else t.batch_size
+            return self._leased(live, ray.get(live.take.remote(n, t.take_timeout_s,
                                                                t.min_batch)))
         env = self.envs.buffer
         if t.mode == "env":

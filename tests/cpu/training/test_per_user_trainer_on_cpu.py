@@ -96,3 +96,34 @@ def test_an_iteration_trains_each_users_adapter_on_their_rows_only(per_user_app)
         assert trainer.publisher.status()["adapters"] == {ann: 1, bob: 1}
     finally:
         trainer.stop()
+
+
+def test_a_user_below_min_rows_at_the_front_does_not_block_the_others(per_user_app):
+    """Rows of a user with too few rows go back to the front of the buffer: a take no larger
+    than them would return them forever and train nobody. The take grows until it reaches a
+    user with enough rows (training/per_user.py::next_take)."""
+    from clawray.serve.auth import tenant_of_key
+    from clawray.sessions.pipeline import attach_live_pipeline
+    from clawray.training.trainer import Trainer
+
+    cfg, client = per_user_app
+    cy, dee = (f"{tenant_of_key(API_KEY)}/{u}" for u in ("cy", "dee"))
+    buffer = attach_live_pipeline(cfg, APP).buffer
+
+    def wait_rows(n: int) -> None:
+        deadline = time.time() + 60
+        while ray.get(buffer.stats.remote())["available"] < n:
+            assert time.time() < deadline, ray.get(buffer.stats.remote())
+            time.sleep(0.3)
+
+    _session(client, "cy", turns=1)  # one row of cy's at the front, below min_rows (3)
+    wait_rows(1)
+    _session(client, "dee", turns=3)
+    wait_rows(4)
+    trainer = Trainer(config=cfg.copy_with(training={"batch_size": 1}).to_dict())
+    try:
+        trained = [trainer.train()["users_trained"] for _ in range(3)]  # takes of 1, 2, 4
+        assert trained == [[], [], [dee]]
+        assert ray.get(buffer.stats.remote())["available"] == 1  # cy's row waits
+    finally:
+        trainer.stop()

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from clawray.apps.per_user_demo import (GROUPS, MODES, aggregate, make_members, per_user_demo_config,
-                                        plot)
+from clawray.apps.per_user_demo import (GROUPS, MODES, aggregate, make_members,
+                                        per_user_demo_config, plot)
 from clawray.config import ClawRayConfig
 
 

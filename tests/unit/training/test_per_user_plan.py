@@ -39,3 +39,16 @@ def test_never_trained_users_come_first_then_the_least_recent():
     assert [p.user for p in plan] == ["new", "older", "old"]
     with pytest.raises(ValueError, match="min_rows"):
         plan_updates([], {}, min_rows=3, max_rows=2, max_users=1)
+
+
+def test_a_take_that_trains_nobody_grows_the_next_one_until_someone_trains():
+    from clawray.training.per_user import next_take
+
+    n, sizes = 4, []
+    for _ in range(6):  # full takes, nobody with enough rows: 8, 16, 32, then the cap
+        n = next_take(n, 4, trained=False, taken=n, cap=40)
+        sizes.append(n)
+    assert sizes == [8, 16, 32, 40, 40, 40]
+    assert next_take(32, 4, trained=False, taken=10, cap=40) == 32  # the buffer ran dry: wait
+    assert next_take(32, 4, trained=True, taken=32, cap=40) == 4  # someone trained: back
+    assert next_take(4, 4, trained=False, taken=4, cap=2) == 4  # never below the batch size

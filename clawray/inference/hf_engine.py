@@ -164,6 +164,11 @@ class HFEngine:
         # Per-user policies: up to ``max_loras`` LoRA adapters resident, rows of different
         # adapters decoded in one batch (clawray/inference/multi_lora.py); 0: none.
         self._lora = None
+        # Every adapter loaded is also written to a private folder on disk (name -> (file,
+        # version)): one evicted from the resident set is still served, read back on its next
+        # request (as vLLM does with its PEFT folders), so users are bounded by disk.
+        self._stored: dict[str, tuple[str, int]] = {}
+        self._store_dir: str | None = None
         if max_loras:
             from clawray.inference.multi_lora import MultiLora
 
@@ -247,6 +252,8 @@ class HFEngine:
             grammar = await asyncio.to_thread(self._grammar_factory, params.structural_tag)
         if params.adapter is not None and self._lora is None:
             raise EngineError("this engine serves no LoRA adapters (start it with max_loras > 0)")
+        if params.adapter is not None and params.adapter not in self._lora:
+            await self._restore(params.adapter)
         req, queue = self._request(prompt_ids, params=params, max_new=max_new, n=params.n,
                                    grammar=grammar, adapter=params.adapter)
         self._scheduler.submit(req)
@@ -351,12 +358,39 @@ class HFEngine:
                 evicted.extend(self._lora.add(name, payload))
             except LoraError as exc:
                 raise EngineError(str(exc)) from None
-            for gone in evicted:
-                self._scheduler.adapter_versions.pop(gone, None)
             self._scheduler.adapter_versions[name] = int(version)
 
         await self._between_steps(add)
+        self._stored[name] = (await asyncio.to_thread(self._store, name, payload), int(version))
         return evicted
+
+    def _store(self, name: str, payload: Any) -> str:
+        import hashlib
+        import tempfile
+
+        if self._store_dir is None:
+            self._store_dir = tempfile.mkdtemp(prefix="clawray-adapters-")
+        path = os.path.join(self._store_dir,
+                            hashlib.sha256(name.encode()).hexdigest()[:24] + ".pt")
+        torch.save(payload, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return path
+
+    async def _restore(self, name: str) -> None:
+        """Make a stored adapter resident again (evicting the least recently used idle one);
+        an adapter never loaded stays an error at admission ("not loaded")."""
+        stored = self._stored.get(name)
+        if stored is None:
+            return
+        path, version = stored
+        payload = await asyncio.to_thread(torch.load, path, weights_only=True)
+
+        def add() -> None:
+            if name not in self._lora and self._stored.get(name) == stored:
+                self._lora.add(name, payload)
+                self._scheduler.adapter_versions[name] = version
+
+        await self._between_steps(add)
 
     async def unload_adapter(self, name: str) -> bool:
         """Forget adapter ``name`` (refused while requests run on it); False if not loaded."""
@@ -374,14 +408,25 @@ class HFEngine:
             self._scheduler.adapter_versions.pop(name, None)
 
         await self._between_steps(remove)
-        return removed[0]
+        stored = self._stored.pop(name, None)
+        if stored is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(stored[0])
+        return removed[0] or stored is not None
 
     def adapters(self) -> dict[str, int]:
-        """Resident adapters and the version each serves (least recently used first)."""
+        """Adapters served and the version of each: the resident ones (least recently used
+        first), then those read back from disk on their next request."""
         if self._lora is None:
             return {}
         versions = dict(self._scheduler.adapter_versions)
-        return {n: versions.get(n, 0) for n in self._lora.names()}
+        out = {n: versions.get(n, 0) for n in self._lora.names()}
+        out.update((n, v) for n, (_, v) in self._stored.items() if n not in out)
+        return out
+
+    def resident_adapters(self) -> list[str]:
+        """The adapters in memory now (at most ``max_loras``), least recently used first."""
+        return [] if self._lora is None else self._lora.names()
 
     async def pause(self) -> None:
         """Hold generation between steps (nothing is dropped); returns once no step runs."""
@@ -416,3 +461,7 @@ class HFEngine:
             return
         self._closed = True
         await asyncio.to_thread(self._scheduler.stop)
+        if self._store_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._store_dir, ignore_errors=True)

@@ -130,8 +130,10 @@ class WeightReceiver:
             evicted = []
         else:
             self.adapter_errors.pop(user, None)
-        for gone in evicted:  # made room (the engine's max_loras): served by the base now
-            await self._control.report_adapter.remote(self.replica_id, gone, None)
+        served = self.engine.adapters()
+        for gone in evicted:  # made room in memory (max_loras); the transformers engine still
+            # serves it from its disk store, else it is served by the base now
+            await self._control.report_adapter.remote(self.replica_id, gone, served.get(gone))
         await self._control.report_adapter.remote(self.replica_id, user, version, error)
 
     async def _apply(self, state: dict[str, Any]) -> None:

@@ -1,10 +1,12 @@
 """HFEngine with per-user LoRA adapters: each request samples from its own adapter, requests of
 different adapters decode in one batch and still match each adapter merged on its own,
-versions are per adapter, eviction and unknown adapters are clear errors."""
+versions are per adapter, an adapter evicted from memory is read back from disk, unknown
+adapters are clear errors."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -82,13 +84,21 @@ async def test_unknown_adapters_and_engines_without_adapters_fail_clearly(tiny_q
             await engine.generate(PROMPT, SamplingParams(max_tokens=2, adapter="carol"))
         with pytest.raises(EngineError, match="not a LoRA payload"):
             await engine.load_adapter("alice", {"format": "x"}, version=1)
-        await engine.load_adapter("alice", adapter(tiny_qwen3, 1), version=1)
-        # one slot: bob evicts alice (not in use), whose requests then fail clearly
-        assert await engine.load_adapter("bob", adapter(tiny_qwen3, 2), version=1) == ["alice"]
-        with pytest.raises(EngineError, match="not loaded"):
-            await engine.generate(PROMPT, SamplingParams(max_tokens=2, adapter="alice"))
+        a = adapter(tiny_qwen3, 1)
+        await engine.load_adapter("alice", a, version=1)
+        # one slot: bob evicts alice (not in use) from memory; she is still served, read back
+        # from the engine's disk store on her next request (which in turn evicts bob)
+        assert await engine.load_adapter("bob", adapter(tiny_qwen3, 2), version=4) == ["alice"]
+        assert engine.resident_adapters() == ["bob"]
+        assert engine.adapters() == {"bob": 4, "alice": 1}
+        back = await engine.generate(PROMPT, dataclasses.replace(GREEDY, adapter="alice"))
+        assert back[0].token_ids == reference_greedy(merged(tiny_qwen3, a), PROMPT, 10)
+        assert back[0].policy_version == 1 and engine.resident_adapters() == ["alice"]
         ok = await engine.generate(PROMPT, GREEDY)  # the engine serves on
-        assert await engine.unload_adapter("bob") and engine.adapters() == {}
+        assert await engine.unload_adapter("bob") and await engine.unload_adapter("alice")
+        assert engine.adapters() == {}
+        with pytest.raises(EngineError, match="not loaded"):  # unloaded means gone
+            await engine.generate(PROMPT, SamplingParams(max_tokens=2, adapter="alice"))
     assert ok[0].finish_reason == "length"
     with pytest.raises(ValueError, match="adapter"):
         SamplingParams(adapter="")

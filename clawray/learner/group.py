@@ -124,6 +124,21 @@ class LearnerWorker:
         return {"metrics": metrics, "version": int(metrics["version"]),
                 "payload": [ray.put(self._adapters.payload(user))]}
 
+    def stored_adapters(self) -> dict[str, int]:
+        """Per-user policies: every user with an adapter on disk, and its version."""
+        from clawray.learner.adapters import AdapterStore
+
+        return {m["user"]: int(m["version"])
+                for m in AdapterStore(self.cfg.user_adapters_dir).users()}
+
+    def adapter_payload(self, user: str) -> list[Any]:
+        """``user``'s stored adapter as a LoRA payload in the object store (``[ref]``)."""
+        from clawray.learner.adapters import AdapterStore, UserAdapters
+
+        if self._adapters is None:
+            self._adapters = UserAdapters(self._core(), AdapterStore(self.cfg.user_adapters_dir))
+        return [ray.put(self._adapters.payload(user))]
+
     def save(self, path: str, client_state: dict[str, Any]) -> None:
         self._core().save(path, client_state)
 
@@ -228,6 +243,12 @@ class LearnerGroup:
         if len(self.workers) != 1:
             raise RuntimeError("per-user adapters train on one learner rank")
         return ray.get(self.workers[0].update_user.remote(user, ray.put(table)))
+
+    def stored_adapters(self) -> dict[str, int]:
+        return ray.get(self.workers[0].stored_adapters.remote())
+
+    def adapter_payload(self, user: str) -> list[Any]:
+        return ray.get(self.workers[0].adapter_payload.remote(user))
 
     def shutdown(self) -> None:
         """Kill the ranks and free their resources (idempotent)."""

@@ -138,6 +138,8 @@ class Trainer(tune.Trainable):
         if t.mode != "live":
             self.envs = EnvRunnerGroup(self.cfg, self.app)
             self.publisher.followers.append(self.envs.buffer)
+        if t.per_user:
+            self._republish_adapters()
         self.updates = 0
         self.user_updates: dict[str, int] = {}  # per-user mode: each user's last update number
         self._user_take = self.cfg.training_cfg.batch_size  # per-user mode: the next take
@@ -223,6 +225,20 @@ class Trainer(tune.Trainable):
         elif not t.checkpoint_every:
             self._ack()
         return result
+
+    def _republish_adapters(self) -> int:
+        """Per-user mode, at start: publish every stored adapter the app does not serve at its
+        version (a new app, or a control actor that restarted and forgot its table), so users
+        get their own policy again without waiting for their next update. Returns how many."""
+        served = self.publisher.status().get("adapters", {})
+        stale = {u: v for u, v in self.learner.stored_adapters().items()
+                 if (served.get(u) or 0) < v}
+        for user, version in sorted(stale.items()):
+            self.publisher.publish_adapter(user, self.learner.adapter_payload(user), version)
+        if stale:
+            logger.info("per-user: republished %d stored adapters to app %r", len(stale),
+                        self.app)
+        return len(stale)
 
     def _per_user_update(self, table: pa.Table, slices: list[Any]) -> dict[str, Any]:
         """Per-user policies: update the adapters of the users ``plan_updates`` picks, each on

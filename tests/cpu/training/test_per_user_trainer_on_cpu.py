@@ -101,7 +101,8 @@ def test_an_iteration_trains_each_users_adapter_on_their_rows_only(per_user_app)
 def test_a_user_below_min_rows_at_the_front_does_not_block_the_others(per_user_app):
     """Rows of a user with too few rows go back to the front of the buffer: a take no larger
     than them would return them forever and train nobody. The take grows until it reaches a
-    user with enough rows (training/per_user.py::next_take)."""
+    user with enough rows (training/per_user.py::next_take). And a trainer starting up
+    republishes stored adapters the app does not serve."""
     from clawray.serve.auth import tenant_of_key
     from clawray.sessions.pipeline import attach_live_pipeline
     from clawray.training.trainer import Trainer
@@ -120,8 +121,15 @@ def test_a_user_below_min_rows_at_the_front_does_not_block_the_others(per_user_a
     wait_rows(1)
     _session(client, "dee", turns=3)
     wait_rows(4)
+    # The app forgets ann's adapter (as a restarted control actor would): a trainer starting
+    # up publishes what is on disk again
+    from clawray.weights.publisher import WeightPublisher
+
+    ann = f"{tenant_of_key(API_KEY)}/ann"
+    assert WeightPublisher(APP, lora=False, timeout_s=60).delete_adapter(ann)
     trainer = Trainer(config=cfg.copy_with(training={"batch_size": 1}).to_dict())
     try:
+        assert trainer.publisher.status()["adapters"][ann] == 1
         trained = [trainer.train()["users_trained"] for _ in range(3)]  # takes of 1, 2, 4
         assert trained == [[], [], [dee]]
         assert ray.get(buffer.stats.remote())["available"] == 1  # cy's row waits

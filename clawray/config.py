@@ -409,6 +409,58 @@ class TrainingConfig(_Section):
     seed: int = 0
 
 
+class GateConfig(_Section):
+    """The policy gate (docs/gate.md): each version the trainer publishes is a candidate that
+    is shadow-evaluated, then canaried on a share of sessions, before it serves everyone."""
+
+    enabled: bool = Field(False, description="Gate the shared policy's versions (live mode, "
+                          "lora_rank > 0, not per_user): every version is served as a LoRA "
+                          "adapter, the incumbent to everyone, a candidate to its canary.")
+    keep: int = Field(4, ge=1, description="Versions kept (adapter payloads on disk) for an "
+                      "immediate rollback without the trainer.")
+    dir: str = Field("~/.cache/clawray/gate", description="Kept versions and the decision log "
+                     "(decisions.jsonl).")
+    shadow_set: str | None = Field(
+        None, description="The held-out set of the shadow evaluation: a JSONL file of "
+        "{\"messages\": [...]} (recorded prompts held out from training; scored by the "
+        "health checks only) or 'module:factory' returning a clawray.gate.actor.ShadowSet "
+        "(prompts and a score per reply, e.g. clawray.sim.users:shadow_set, the simulated "
+        "users' held-out pool). null: health checks on a few built-in prompts.")
+    shadow_kwargs: dict[str, Any] = Field(default_factory=dict, description="Arguments of the "
+                                          "shadow_set factory.")
+    shadow_max_tokens: int = Field(48, ge=1, description="Tokens per shadow reply.")
+    shadow_seed: int = Field(0, description="Shadow replies sample with seed shadow_seed + i "
+                             "(both sides the same seeds, so they differ by their weights).")
+    shadow_margin: float = Field(
+        0.05, ge=0, description="Shadow evaluation: reject a candidate whose mean score on the "
+        "held-out set is lower than the incumbent's by more than this.")
+    min_readable: float = Field(0.8, ge=0, le=1, description="Health: share of replies that "
+                                "read as text (clawray/gate/health.py), at least (on a set the "
+                                "first incumbent reads poorly on: at most 10 points below it).")
+    max_empty: float = Field(0.2, ge=0, le=1, description="Health: share of empty replies, "
+                             "at most.")
+    max_length_ratio: float = Field(
+        3.0, ge=1, description="Health: the candidate's median reply length within this factor "
+        "of the incumbent's (either way).")
+    min_tool_call_valid: float = Field(
+        0.9, ge=0, le=1, description="Health: share of replies with a <tool_call> that parse, "
+        "at least (when there are any).")
+    canary_share: float = Field(0.1, gt=0, le=1, description="Share of sessions the candidate "
+                                "serves during its canary (sticky by session key).")
+    canary_min_turns: int = Field(
+        40, ge=2, description="Turns judged on each side before the canary's first test; the "
+        "test runs again every canary_min_turns candidate turns.")
+    canary_looks: int = Field(
+        5, ge=1, description="Tests at most; each at alpha / canary_looks (Bonferroni, so "
+        "repeated looks keep the error rate at alpha). Undecided after the last: rolled back.")
+    canary_alpha: float = Field(0.05, gt=0, lt=1, description="One-sided error rate of the "
+                                "canary's tests.")
+    canary_margin: float = Field(
+        0.1, ge=0, description="Non-inferiority margin on the mean judge reward: promote when "
+        "the candidate is not worse than the incumbent by this much; roll back when it is "
+        "significantly worse.")
+
+
 class EnvironmentsConfig(_Section):
     """Synthetic environments and the EnvRunner actors that play them (``clawray/envs``)."""
 
@@ -542,6 +594,7 @@ class ClawRayConfig(_Section):
     sft_cfg: SFTConfig = Field(default_factory=SFTConfig, alias="sft")
     rlanything_cfg: RLAnythingConfig = Field(default_factory=RLAnythingConfig,
                                              alias="rlanything")
+    gate_cfg: GateConfig = Field(default_factory=GateConfig, alias="gate")
 
     # ---- builder methods (one per concern; each returns self) ----
     def model(self, **kwargs: Any) -> "ClawRayConfig":
@@ -586,6 +639,10 @@ class ClawRayConfig(_Section):
 
     def rlanything(self, **kwargs: Any) -> "ClawRayConfig":
         self.rlanything_cfg = _updated(self.rlanything_cfg, kwargs)
+        return self
+
+    def gate(self, **kwargs: Any) -> "ClawRayConfig":
+        self.gate_cfg = _updated(self.gate_cfg, kwargs)
         return self
 
     # ---- loading and dumping ----
@@ -641,6 +698,17 @@ class ClawRayConfig(_Section):
             missing = [k for k, ok in need.items() if not ok]
             if missing:
                 problems.append("training.per_user needs " + ", ".join(missing))
+        if self.gate_cfg.enabled:
+            need = {"training.mode 'live'": t.mode == "live",
+                    "training.lora_rank > 0 (versions are served as adapters)": lora_rank > 0,
+                    "training.per_user off (the gate guards the shared policy)": not t.per_user,
+                    "training.num_learners 1 and zero_stage 0 (a rejected line restarts "
+                    "from the incumbent's adapter)": t.num_learners == 1 and t.zero_stage == 0,
+                    "inference.max_loras >= 2 (incumbent and candidate side by side)":
+                        inf.max_loras >= 2}
+            missing = [k for k, ok in need.items() if not ok]
+            if missing:
+                problems.append("gate.enabled needs " + ", ".join(missing))
         if inf.weight_transfer == "nccl":
             if inf.engine not in ("vllm", "auto"):
                 problems.append(f"inference.weight_transfer='nccl' needs vLLM replicas, not "

@@ -16,6 +16,8 @@
 from __future__ import annotations
 
 import argparse
+import getpass
+import json
 import logging
 import sys
 from pathlib import Path
@@ -66,7 +68,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from clawray.apps.per_user_demo import run_per_user_demo
 
         extra = {k: v for k, v in (("budget", args.budget), ("eval_n", args.eval_n),
-                                   ("lr", args.lr)) if v is not None}
+                                   ("lr", args.lr), ("kl", args.kl)) if v is not None}
         return run_per_user_demo(cfg, Path(args.out), args.seeds or [args.seed],
                                  modes=tuple(args.modes), eval_pool=args.eval_pool,
                                  judge=args.judge, **extra)
@@ -233,6 +235,52 @@ def cmd_users(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gate(args: argparse.Namespace) -> int:
+    """The policy gate of a running app (docs/gate.md): status, promote, reject, rollback,
+    pin, unpin; through Ray (the cluster the app runs on), never through HTTP."""
+    import ray
+
+    from clawray.gate.actor import get_policy_gate
+    from clawray.weights.control import NAMESPACE
+
+    try:
+        ray.init(address=args.address, namespace=NAMESPACE, logging_level=logging.WARNING,
+                 log_to_driver=False)
+    except ConnectionError as e:
+        raise ConfigError(f"no Ray cluster at {args.address!r} ({e}): start the app first") \
+            from None
+    try:
+        gate = get_policy_gate(args.app)
+    except ValueError:
+        raise ConfigError(f"app {args.app!r} has no policy gate (gate.enabled, and a trainer "
+                          "started since)") from None
+    needs_version = {"rollback", "pin"}
+    if args.action in needs_version and args.version is None:
+        raise ConfigError(f"`clawray gate {args.action}` needs a version (0: the base model)")
+    try:
+        if args.action == "status":
+            out = ray.get(gate.status.remote())
+        elif args.action == "events":
+            out = ray.get(gate.events.remote(args.n))
+        elif args.action == "promote":
+            out = ray.get(gate.promote.remote(by=f"operator ({getpass.getuser()})"))
+        elif args.action == "reject":
+            out = ray.get(gate.reject.remote(args.reason or "", by=f"operator "
+                                             f"({getpass.getuser()})"))
+        elif args.action == "unpin":
+            out = ray.get(gate.unpin.remote(by=f"operator ({getpass.getuser()})"))
+        else:
+            out = ray.get(gate.rollback.remote(args.version, pin=args.action == "pin",
+                                               by=f"operator ({getpass.getuser()})"))
+    except ray.exceptions.RayTaskError as e:
+        cause = e.as_instanceof_cause()
+        if isinstance(cause, ValueError):
+            raise ConfigError(str(cause).splitlines()[-1]) from None
+        raise
+    print(json.dumps(out, indent=2, default=str))
+    return 0
+
+
 def forget_rows(cfg: ClawRayConfig, user: str, samples: str | None, app: str) -> dict[str, Any]:
     """Forget ``user``'s rows: through the running app's sample buffer when a Ray cluster
     with it is reachable (the actor owns the log), else in the log folder itself (the app
@@ -301,6 +349,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-c", "--config", help="clawray YAML")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.set_defaults(fn=cmd_users)
+    p = sub.add_parser("gate", help="the policy gate of a running app: status, events, "
+                       "promote, reject, rollback VERSION, pin VERSION, unpin (docs/gate.md)")
+    p.add_argument("action", choices=("status", "events", "promote", "reject", "rollback",
+                                       "pin", "unpin"))
+    p.add_argument("version", nargs="?", type=int, help="rollback/pin: a kept version (0: the "
+                   "base model)")
+    p.add_argument("--reason", help="reject: why (recorded in the decision log)")
+    p.add_argument("-n", type=int, default=20, help="events: how many")
+    p.add_argument("--app", default="clawray", help="the running app's name")
+    p.add_argument("--address", default="auto", help="the Ray cluster (default: auto)")
+    p.set_defaults(fn=cmd_gate)
     p = sub.add_parser("sft", help="warm-start the policy on expert demonstrations")
     p.add_argument("-c", "--config", help="clawray YAML (environments:, sft: sections)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -396,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--eval-pool", default="test", choices=["validation", "test"],
                            help="--per-user: 'validation' to choose settings, 'test' to report")
             p.add_argument("--lr", type=float, help="--per-user: the LoRA learning rate")
+            p.add_argument("--kl", type=float, help="--per-user: the k3 KL weight to the base")
         p.set_defaults(fn=fn)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -53,10 +53,12 @@ LORA = {"lora_rank": 8, "lora_alpha": 16.0}
 USER_ROWS = (8, 16)  # per-user mode: a user is trained once this many rows wait; at most
 # LoRA learning rate, chosen on the validation prompt pool (docs/per_user.md)
 LR = 3e-3
+# k3 KL weight to the base (the live demo's), chosen on the validation pool (docs/per_user.md)
+KL = 1.0
 
 
 def per_user_demo_config(cfg: ClawRayConfig, out: Path, seed: int, mode: str,
-                         keys: list[str], lr: float = LR) -> ClawRayConfig:
+                         keys: list[str], lr: float = LR, kl: float = KL) -> ClawRayConfig:
     """The live demo's settings (``demo_config``) with LoRA, one key per user, and for
     ``per_user`` the trainer's per-user mode. Both modes read the buffer the same way (leases,
     no staleness limit: per-user rows carry their adapter's version)."""
@@ -68,7 +70,8 @@ def per_user_demo_config(cfg: ClawRayConfig, out: Path, seed: int, mode: str,
         serving={"api_keys": keys},
         inference={"max_loras": n, "max_lora_rank": LORA["lora_rank"]},
         buffer={"max_staleness": None, "lease_s": 120.0},
-        training={**LORA, "lr": lr, "zero_stage": 0, "per_user": per_user,
+        training={**LORA, "lr": lr, "loss": {"kl_coef": kl}, "zero_stage": 0,
+                  "per_user": per_user,
                   "per_user_min_rows": USER_ROWS[0], "per_user_max_rows": USER_ROWS[1],
                   "per_user_max_users": 2, "user_adapters_dir": str(out / "users")})
 
@@ -102,7 +105,7 @@ async def evaluate_users(base_url: str, model: str, members: list[tuple[str, str
 def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, mode: str,
              users_per_group: int = USERS_PER_GROUP, budget: int = BUDGET,
              eval_n: int = EVAL_N, eval_pool: str = "test", lr: float = LR,
-             judge: str = "heuristic", log: Any = print) -> dict[str, Any]:
+             kl: float = KL, judge: str = "heuristic", log: Any = print) -> dict[str, Any]:
     """One seed of one mode on a fresh local cluster: evaluate, train until ``budget`` rows
     are trained, evaluate again. Returns (and writes to ``out/summary.json``) the summary."""
     import ray
@@ -115,7 +118,7 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, mode: str,
     out.mkdir(parents=True)
     members = make_members(seed, users_per_group)
     cfg = with_judge(per_user_demo_config(cfg, out, seed, mode, [k for _, _, k in members],
-                                          lr), judge, log=log)
+                                          lr, kl), judge, log=log)
     phrasing = users_phrasing(cfg)
     preferences = {g: cls(phrasing=phrasing) for g, cls in GROUPS.items()}
     started = time.monotonic()
@@ -158,7 +161,7 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, mode: str,
         ray.shutdown()
     summary = {"seed": seed, "mode": mode, "budget": budget, "rows_trained": trained,
                "steps": steps, "eval_pool": eval_pool, "eval_n_per_user": eval_n,
-               "users_per_group": users_per_group, "lr": lr, **LORA,
+               "users_per_group": users_per_group, "lr": lr, "kl_coef": kl, **LORA,
                "type_weights": TYPE_WEIGHTS,
                "judge": judge_description(cfg), "users_phrasing": phrasing,
                "before": before, "after": after, "curve": curve,

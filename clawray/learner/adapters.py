@@ -253,3 +253,45 @@ def _torch_optimizer(core: LearnerCore) -> torch.optim.Optimizer:
     if not isinstance(opt, torch.optim.Optimizer):
         raise ValueError(f"cannot reach the learner's torch optimizer under {type(opt)}")
     return opt
+
+
+@torch.no_grad()
+def restart_lora(core: LearnerCore, payload: dict[str, Any] | None) -> int:
+    """Set the learner's LoRA adapter to ``payload`` (a LoRA payload, ``lora_payload``'s
+    format; None: the base policy, B = 0) and forget the adapter's optimizer moments: the
+    policy gate's trainer restarting from the incumbent after its candidate was abandoned.
+    One rank at ZeRO stage 0 (the weights are the optimizer's own). Returns the modules set."""
+    if not core.lora:
+        raise ValueError("restart_lora needs LoRA training (training.lora_rank > 0)")
+    if core.cfg.zero_stage != 0 or core.world_size != 1:
+        raise ValueError("restart_lora needs one learner rank at ZeRO stage 0, got stage "
+                         f"{core.cfg.zero_stage}, {core.world_size} ranks")
+    optimizer = _torch_optimizer(core)
+    modules = payload["modules"] if payload is not None else None
+    pairs = []
+    for name, module in core.module.named_modules():
+        lora_a = getattr(module, "lora_A", None)
+        if not isinstance(lora_a, torch.nn.ModuleDict) or "default" not in lora_a:
+            continue
+        a, b = lora_a["default"].weight, module.lora_B["default"].weight
+        base = name.removeprefix("base_model.model.")
+        if modules is not None:
+            m = modules.get(base)
+            if m is None or tuple(m["A"].shape) != tuple(a.shape) \
+                    or tuple(m["B"].shape) != tuple(b.shape):
+                raise ValueError(f"the payload does not fit this learner's adapter at {base} "
+                                 "(another lora_rank, lora_targets or model?)")
+        pairs.append((a, b, None if modules is None else modules[base]))
+    if modules is not None and len(pairs) != len(modules):
+        raise ValueError(f"the payload has {len(modules)} modules, the learner's adapter "
+                         f"{len(pairs)}")
+    for a, b, m in pairs:
+        if m is None:
+            b.zero_()
+        else:
+            a.copy_(m["A"].to(a.device, a.dtype))
+            b.copy_(m["B"].to(b.device, b.dtype))
+        for p in (a, b):
+            p.grad = None
+            optimizer.state.pop(p, None)
+    return len(pairs)

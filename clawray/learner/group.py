@@ -124,6 +124,13 @@ class LearnerWorker:
         return {"metrics": metrics, "version": int(metrics["version"]),
                 "payload": [ray.put(self._adapters.payload(user))]}
 
+    def restart_lora(self, payload_box: list | None) -> int:
+        """Set the LoRA adapter to ``payload_box[0]``'s payload (None: the base) and forget
+        its optimizer moments (``clawray.learner.adapters.restart_lora``; the policy gate)."""
+        from clawray.learner.adapters import restart_lora
+
+        return restart_lora(self._core(), ray.get(payload_box[0]) if payload_box else None)
+
     def stored_adapters(self) -> dict[str, int]:
         """Per-user policies: every user with an adapter on disk, and its version."""
         from clawray.learner.adapters import AdapterStore
@@ -243,6 +250,10 @@ class LearnerGroup:
         if len(self.workers) != 1:
             raise RuntimeError("per-user adapters train on one learner rank")
         return ray.get(self.workers[0].update_user.remote(user, ray.put(table)))
+
+    def restart_lora(self, payload_box: list | None) -> int:
+        """The policy gate: restart the adapter from a kept version (None: the base)."""
+        return ray.get([w.restart_lora.remote(payload_box) for w in self.workers])[0]
 
     def stored_adapters(self) -> dict[str, int]:
         return ray.get(self.workers[0].stored_adapters.remote())

@@ -15,9 +15,10 @@ import dataclasses
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Mapping, Protocol
+from typing import Any, AsyncIterator, Callable, Mapping, Protocol
 
 from clawray.config import ServingConfig
+from clawray.gate.core import canary_bucket
 from clawray.inference.engine import (
     EngineError,
     EngineInternalError,
@@ -107,8 +108,10 @@ class ChatService:
         max_model_len: int,
         cfg: ServingConfig,
         sink: RecordSink,
+        routing: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.routing = routing  # the policy gate's routing table, as the replica mirrors it
         self.policy = policy
         self.served_model = served_model
         self.max_model_len = max_model_len
@@ -322,8 +325,20 @@ class ChatService:
         to the shared policy if it has none (``adapter_fallback``, recorded as served)."""
         adapters = getattr(self.policy, "adapters", None)
         if not callable(adapters):
-            return meta.policy_user if getattr(self.policy, "names_adapters", False) else None
-        return meta.policy_user if meta.policy_user in adapters() else None
+            own = meta.policy_user if getattr(self.policy, "names_adapters", False) else None
+        else:
+            own = meta.policy_user if meta.policy_user in adapters() else None
+        return own or self._gated_adapter(meta)
+
+    def _gated_adapter(self, meta: SessionMeta) -> str | None:
+        """With the policy gate on: the candidate's adapter for a session in its canary
+        (sticky: the session key's bucket), else the incumbent's (None: the base model)."""
+        r = self.routing() if self.routing is not None else None
+        if not r:
+            return None
+        if r.get("candidate_adapter") and canary_bucket(meta.key, r["salt"]) < r["share"]:
+            return r["candidate_adapter"]
+        return r.get("incumbent_adapter")
 
     def _addressed_user(self, model: str | None, fields: Mapping[str, Any], tenant: str
                         ) -> Mapping[str, Any]:

@@ -110,7 +110,7 @@ class IngressCore:
         self.sink = sinks[0] if len(sinks) == 1 else TeeSink(sinks)
         self.responses_store = start_response_store(app_name, s.responses_kept)
         self.service = ChatService(load_tokenizer(info.path), policy, info.name, max_len, s,
-                                   self.sink)
+                                   self.sink, routing=self.routing)
         self.started = int(time.time())
         # Lets a launcher tell this app's replicas from another cluster's on a probed port.
         self.instance_id = uuid.uuid4().hex[:16]
@@ -260,12 +260,17 @@ class IngressCore:
         return {"model": self.info.name, "engine": st.engine, "policy_version": st.policy_version,
                 "running": st.running, "waiting": st.waiting, "paused": st.paused,
                 "max_model_len": st.max_model_len, "collecting": self.collecting(),
+                "routing": self.routing(),
                 # colocated: requests per session key this replica served (split: on the
                 # PolicyServer replicas' status)
                 "sessions": st.extra.get("sessions", {}) if self.core is not None else {},
                 "replica": self.receiver.replica_id if self.receiver is not None else None,
                 # seconds of the engine's warm-up request at replica start (colocated layout)
                 "warm_up_s": self.core.warm_up_s if self.core is not None else None}
+
+    def routing(self) -> dict[str, Any] | None:
+        """The policy gate's routing table as this replica mirrors it (None: no gate)."""
+        return self.receiver.routing if self.receiver is not None else None
 
     def collecting(self) -> bool:
         """Whether this replica hands turn records to the session pipeline."""
@@ -277,6 +282,25 @@ class IngressCore:
         await control.set_collecting.remote(bool(enabled))
         replicas = await control.wait_collecting.remote(bool(enabled), wait_s)
         return {"collecting": bool(enabled), "replicas": replicas}
+
+    async def gate_replies(self, prompts: list[list[dict[str, Any]]], adapter: str | None, *,
+                           seed: int = 0, max_tokens: int = 48, temperature: float = 1.0
+                           ) -> list[dict[str, Any]]:
+        """One policy version's replies to held-out prompts (``adapter``: its adapter; None:
+        the base model) for the policy gate's shadow evaluation: prompt ``i`` samples with
+        seed ``seed + i``; never recorded. A version the engine does not serve is an error
+        (no fallback: the gate must compare the versions it names)."""
+        svc = self.service
+
+        async def one(i: int, messages: list[dict[str, Any]]) -> dict[str, Any]:
+            ids, _ = svc._template(messages, None)
+            params = SamplingParams(max_tokens=max(1, min(max_tokens, svc.max_model_len - len(ids))),
+                                    temperature=temperature, seed=seed + i, adapter=adapter)
+            out = (await svc.policy.generate(ids, params))[0]
+            return {"text": svc.tokenizer.decode(out.token_ids, skip_special_tokens=True),
+                    "tokens": len(out.token_ids), "version": out.policy_version}
+
+        return list(await asyncio.gather(*(one(i, m) for i, m in enumerate(prompts))))
 
     async def weights_version(self) -> dict[str, Any]:
         """The version this replica serves and the app's published one, per replica."""
@@ -382,6 +406,11 @@ class Ingress:
 
     async def weights_version(self) -> dict[str, Any]:
         return await self._core.weights_version()
+
+    async def gate_replies(self, prompts: list[list[dict[str, Any]]], adapter: str | None,
+                           **kwargs: Any) -> list[dict[str, Any]]:
+        """The policy gate's shadow replies (``IngressCore.gate_replies``; handle only)."""
+        return await self._core.gate_replies(prompts, adapter, **kwargs)
 
     def __del__(self) -> None:  # Serve calls it on shutdown: stop polling, deregister
         receiver = getattr(getattr(self, "_core", None), "receiver", None)

@@ -53,7 +53,8 @@ from typing import Callable, Sequence
 import httpx
 import openai
 
-from clawray.sim.preferences import BriefReplies, Preference
+from clawray.gate.actor import ShadowSet
+from clawray.sim.preferences import BriefReplies, Preference, get_preference
 
 logger = logging.getLogger(__name__)
 
@@ -403,6 +404,19 @@ def eval_messages(n: int, seed: int, type_weights: dict[str, float] | None = Non
     same seed."""
     rng = random.Random(f"eval/{seed}")
     return [make_request(rng, type_weights, pool) for _ in range(n)]
+
+
+def shadow_set(n: int = 40, seed: int = 0, pool: str = "validation", preference: str = "brief",
+               type_weights: dict[str, float] | None = None) -> ShadowSet:
+    """The policy gate's held-out set from the simulated users (``gate.shadow_set:
+    clawray.sim.users:shadow_set``): ``eval_messages(n, seed, pool)`` as chat prompts, a reply
+    scoring 1 when ``preference`` is satisfied by it, else 0. The "validation" pool by default,
+    so the "test" pool stays for reporting."""
+    pref = get_preference(preference)
+    prompts = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}]
+               for _, text in eval_messages(n, seed, type_weights, pool)]
+    return ShadowSet(prompts, score=lambda i, text: float(pref.satisfied(text)),
+                     name=f"sim {pool} pool, {n} requests, {preference} preference")
 
 
 async def evaluate(base_url: str, api_key: str, model: str, *, n: int = 100, seed: int = 0,

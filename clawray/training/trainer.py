@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 
 from clawray.buffer.core import Slice, fetch
 from clawray.config import ClawRayConfig
+from clawray.gate.actor import start_policy_gate
 from clawray.learner.group import LearnerGroup
 from clawray.models.loader import policy_model_info
 from clawray.rlanything.loop import RLAnythingLoop
@@ -140,6 +141,15 @@ class Trainer(tune.Trainable):
             self.publisher.followers.append(self.envs.buffer)
         if t.per_user:
             self._republish_adapters()
+        # The policy gate (docs/gate.md): versions are proposed to it as candidates; the
+        # trainer follows its line (restarts from the incumbent when a candidate is abandoned,
+        # drops rows the abandoned versions sampled) and reports judged turns for the canary.
+        self.gate = start_policy_gate(self.app, self.cfg.gate_cfg) \
+            if self.cfg.gate_cfg.enabled else None
+        self._gate_line: int | None = None
+        self._gate_abandoned: set[int] = set()
+        if self.gate is not None:
+            self._follow_gate()
         self.updates = 0
         self.user_updates: dict[str, int] = {}  # per-user mode: each user's last update number
         self._user_take = self.cfg.training_cfg.batch_size  # per-user mode: the next take
@@ -179,6 +189,8 @@ class Trainer(tune.Trainable):
         result: dict[str, Any] = {"policy_version": self.version, "samples": 0,
                                   "samples_repeated": 0}
         rm_rows: list[dict[str, Any]] = []
+        if self.gate is not None:
+            result.update(self._follow_gate())
         with self.metrics.log_time("time_take_s", reduce="mean", window=WINDOW):
             if self.rla is not None:
                 slices, rm_rows, step_metrics = self._rlanything_take()
@@ -193,6 +205,8 @@ class Trainer(tune.Trainable):
             slices = []  # acknowledged row by row; no shared update
         if slices:
             table = fetch(slices, ray.get)
+            if self.gate is not None:
+                result.update(self._gate_observe(table))
             table, slices, result["samples_repeated"] = self._drop_trained(table, slices)
         if slices:
             result.update(batch_stats(table, self.version))
@@ -202,8 +216,11 @@ class Trainer(tune.Trainable):
             self.updates += 1
             if result.get("optimizer_steps", 0) and self.updates % t.sync_every == 0:
                 with self.metrics.log_time("time_sync_s", reduce="mean", window=WINDOW):
-                    result.update({f"sync_{k}": v for k, v in self._publish().items()
-                                   if k in ("bytes", "seconds", "send_s", "apply_s")})
+                    sync = self._publish()
+                result.update({f"sync_{k}": v for k, v in sync.items()
+                               if k in ("bytes", "seconds", "send_s", "apply_s")})
+                if "gate" in sync:  # what the policy gate made of the new version
+                    result["gate"] = sync["gate"]
                 result["policy_version"] = self.version
         if self.rla is not None:
             result.update(self.rla.rm_update(rm_rows))
@@ -300,14 +317,21 @@ class Trainer(tune.Trainable):
         ray.get([buffer.ack.remote(leases) for buffer, leases in pending])
 
     def _drop_trained(self, table: pa.Table, slices: list[Any]) -> tuple[pa.Table, list[Any], int]:
-        """Rows delivered again that were trained already (by ``sample_id``) are dropped; the
-        rest goes to the learner as one new slice when anything was dropped."""
+        """Rows delivered again that were trained already (by ``sample_id``) are dropped, and
+        with the policy gate rows sampled by abandoned versions; the rest goes to the learner
+        as one new slice when anything was dropped. Returns the rows trained already."""
         ids = table.column("sample_id").to_pylist()
-        keep = [i for i, sid in enumerate(ids) if sid not in self.trained]
-        repeated = len(ids) - len(keep)
-        if not repeated:
+        versions = table.column("policy_version").to_pylist()
+        keep = [i for i, sid in enumerate(ids) if sid not in self.trained
+                and versions[i] not in self._gate_abandoned]
+        repeated = sum(sid in self.trained for sid in ids)
+        if len(keep) == len(ids):
             return table, slices, 0
-        logger.warning("%d rows delivered again were trained already: dropped", repeated)
+        if repeated:
+            logger.warning("%d rows delivered again were trained already: dropped", repeated)
+        if len(ids) - len(keep) > repeated:
+            logger.info("gate: %d rows sampled by abandoned versions dropped",
+                        len(ids) - len(keep) - repeated)
         table = table.take(pa.array(keep, pa.int64())).combine_chunks()
         if not keep:
             return table, [], repeated
@@ -382,8 +406,49 @@ class Trainer(tune.Trainable):
         return self.publisher.version
 
     def _publish(self) -> dict[str, Any]:
-        """Send version + 1 to serving and wait until every replica runs it."""
-        return self.publisher.publish()
+        """Send version + 1 to serving and wait until every replica runs it; with the policy
+        gate, propose it as a candidate (served as its own adapter, to its canary only, once
+        it passed shadow evaluation)."""
+        if self.gate is None:
+            return self.publisher.publish()
+        version = self.publisher.version + 1
+        sent = self.learner.put_weights(version)
+        ev = ray.get(self.gate.propose.remote(version, sent["payload"]))
+        self.publisher.version = version
+        return {"bytes": sent["bytes"], "seconds": sent["seconds"], "gate": ev["event"]}
+
+    def _follow_gate(self) -> dict[str, Any]:
+        """Follow the gate's line: at start and whenever a candidate was abandoned (rejected,
+        rolled back), restart the learner's adapter from the line's head (the newest version
+        not abandoned: the incumbent, or a pending candidate) and drop the abandoned versions'
+        rows from now on. Versions continue after the newest the gate has seen."""
+        info = ray.get(self.gate.line.remote())
+        self._gate_abandoned = set(info["abandoned"])
+        if info["published"] > self.publisher.version:
+            self.publisher.version = int(info["published"])
+            self.learner.set_version(self.publisher.version)
+        if info["line"] == self._gate_line:
+            return {}
+        head = int(info["head"])
+        self.learner.restart_lora(ray.get(self.gate.payload.remote(head)))
+        logger.info("gate: the learner restarts from version %d (line %d)", head, info["line"])
+        self._gate_line = info["line"]
+        return {"gate_restarted_from": head}
+
+    def _gate_observe(self, table: pa.Table) -> dict[str, Any]:
+        """Report the batch's judged turns (reward, the version that served them, when) for
+        the canary; one per turn, rows trained already skipped."""
+        cols = {c: table.column(c).to_pylist() for c in
+                ("sample_id", "kind", "judge_status", "policy_version", "reward", "created_at")}
+        seen: dict[str, tuple[int, float, float | None]] = {}
+        for sid, kind, status, version, reward, at in zip(*cols.values()):
+            if kind in ("rl", "combine") and status in ("judged", "feedback") \
+                    and sid not in self.trained:
+                seen.setdefault(sid.rsplit("/", 1)[0], (int(version), float(reward), at))
+        if not seen:
+            return {}
+        events = ray.get(self.gate.observe.remote(list(seen.values())))
+        return {"gate_observed": len(seen), "gate_events": [e["event"] for e in events]}
 
     def save_checkpoint(self, checkpoint_dir: str) -> dict[str, Any]:
         """Learner (model, optimizer, step) via DeepSpeed, plus the trainer's own state.

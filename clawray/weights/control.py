@@ -66,6 +66,10 @@ class AppControl:
         self.adapters: dict[str, dict[str, Any]] = {}
         self.adapter_seq = 0
         self.epoch = uuid.uuid4().hex
+        # The policy gate's routing table (clawray/gate): which adapter serves everyone, which
+        # one serves the canary's sessions; ``routing_seq`` counts changes (0: none set).
+        self.routing: dict[str, Any] | None = None
+        self.routing_seq = 0
 
     # ---- learner / operator side ------------------------------------------------------------
 
@@ -127,6 +131,31 @@ class AppControl:
                                    f"{len(live)} live of at least {min_replicas}")
             await self._wait(self._replica_event, min(remaining, 0.5))
 
+    async def set_routing(self, routing: dict[str, Any] | None) -> int:
+        """The policy gate's routing table (``GateCore.routing``; None: no gate), mirrored by
+        every replica's ``WeightReceiver``; returns its sequence number."""
+        if routing != self.routing:
+            self.routing = routing
+            self.routing_seq += 1
+            self._wake_state()
+        return self.routing_seq
+
+    async def wait_routing(self, seq: int, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Wait until every live replica mirrors the routing table of sequence ``seq`` or
+        newer (within this actor's epoch); ``{replica_id: seq}``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            live = {rid: r.get("routing_seq") for rid, r in self._live().items()}
+            lagging = {rid: v for rid, v in live.items()
+                       if v is None or v[0] != self.epoch or v[1] < seq}
+            if not lagging:
+                return {rid: v[1] for rid, v in live.items()}
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"app '{self.app_name}': replicas {sorted(lagging)} did not "
+                                   f"mirror routing {seq} within {timeout_s:g}s")
+            await self._wait(self._replica_event, min(remaining, 0.5))
+
     async def set_collecting(self, enabled: bool) -> bool:
         if bool(enabled) != self.collecting:
             self.collecting = bool(enabled)
@@ -174,6 +203,7 @@ class AppControl:
         return {
             "app": self.app_name, "version": self.version, "kind": self.kind,
             "published_at": self.published_at, "collecting": self.collecting,
+            "routing": self.routing, "routing_seq": self.routing_seq,
             "adapters": {u: a["version"] for u, a in self.adapters.items()
                          if a["version"] is not None},
             "replicas": {rid: {"version": r.get("version"), "collecting": r.get("collecting"),
@@ -187,7 +217,8 @@ class AppControl:
     async def wait_change(self, known_version: int, known_collecting: bool | None,
                           timeout_s: float = POLL_S, replica_id: str | None = None,
                           current_version: int | None = None,
-                          known_adapters: tuple[str, int] | None = None) -> dict[str, Any]:
+                          known_adapters: tuple[str, int] | None = None,
+                          known_routing: tuple[str, int] | None = None) -> dict[str, Any]:
         """Long poll: return the state as soon as the version is newer than ``known_version``
         or the switch differs from ``known_collecting``, else after ``timeout_s``.
 
@@ -195,19 +226,23 @@ class AppControl:
         replica that ``wait_replicas`` waits for, without it only a mirror of the switch.
         ``known_adapters`` (epoch, sequence number) asks for the adapter changes after it too
         (``"adapters"``: one entry per user changed since, in order; everything after a
-        restart of this actor, whose epoch then differs).
+        restart of this actor, whose epoch then differs). ``known_routing`` (epoch, sequence
+        number) asks for the gate's routing table when it changed since (``"routing"``).
         """
         seen = 0
         if known_adapters is not None:
             seen = known_adapters[1] if known_adapters[0] == self.epoch else 0
         if replica_id is not None:
             self._touch(replica_id, polling=1, collecting=known_collecting,
-                        version=current_version, weights=current_version is not None)
+                        version=current_version, weights=current_version is not None,
+                        routing_seq=known_routing)
             self.version = max(self.version, current_version or 0)  # rebuilt after a restart
         try:
             deadline = time.monotonic() + timeout_s
             while not (self.version > known_version or self.collecting != known_collecting
-                       or (known_adapters is not None and self.adapter_seq > seen)):
+                       or (known_adapters is not None and self.adapter_seq > seen)
+                       or (known_routing is not None
+                           and tuple(known_routing) != (self.epoch, self.routing_seq))):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -219,6 +254,9 @@ class AppControl:
                 entry["seen"] = time.monotonic()
         state = {"version": self.version, "kind": self.kind, "payload": self.payload,
                  "collecting": self.collecting}
+        if known_routing is not None:
+            state.update(routing=self.routing, routing_epoch=self.epoch,
+                         routing_seq=self.routing_seq)
         if known_adapters is not None:
             changed = sorted((a["seq"], u) for u, a in self.adapters.items() if a["seq"] > seen)
             state.update(adapter_epoch=self.epoch, adapter_seq=self.adapter_seq, adapters=[

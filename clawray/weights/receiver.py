@@ -59,6 +59,10 @@ class WeightReceiver:
         self._adapters_known: tuple[str, int] | None = \
             ("", 0) if callable(getattr(engine, "load_adapter", None)) else None
         self.adapter_errors: dict[str, str] = {}
+        # The policy gate's routing table (``clawray.gate.core.GateCore.routing``), mirrored
+        # from the control actor; None: no gate, the shared policy serves everyone.
+        self.routing: dict[str, Any] | None = None
+        self._routing_known: tuple[str, int] = ("", 0)
         self._control: Any = None
         self._task: asyncio.Task | None = None
 
@@ -87,7 +91,8 @@ class WeightReceiver:
                         await self._control.report.remote(self.replica_id, self.version)
                 state = await self._control.wait_change.remote(
                     self._known_version, self.collecting, self.poll_s, self.replica_id,
-                    self.version if self.engine is not None else None, self._adapters_known)
+                    self.version if self.engine is not None else None, self._adapters_known,
+                    known_routing=self._routing_known)
                 if state["collecting"] != self.collecting:
                     logger.info("app %s replica %s: collecting %s", self.app_name,
                                 self.replica_id, "on" if state["collecting"] else "off")
@@ -96,6 +101,16 @@ class WeightReceiver:
                     if self.engine is not None and state["payload"]:
                         await self._apply(state)
                     self._known_version = state["version"]
+                if "routing" in state and (state["routing"] is not None
+                                           or state["routing_seq"] > 0):
+                    # (a restarted control actor knows no routing until the gate sets it
+                    # again: meanwhile the replica keeps routing as it did)
+                    if state["routing"] != self.routing:
+                        logger.info("app %s replica %s: routing %s", self.app_name,
+                                    self.replica_id, state["routing"])
+                    self.routing = state["routing"]
+                if "routing" in state:
+                    self._routing_known = (state["routing_epoch"], state["routing_seq"])
                 if self._adapters_known is not None and "adapters" in state:
                     for change in state["adapters"]:
                         await self._apply_adapter(change)

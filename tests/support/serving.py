@@ -32,3 +32,35 @@ def serve_app(name: str, route: str, tmp_path_factory, **inference) -> Served:
     serve.run(build_app(cfg), name=name, route_prefix=route)
     base = f"http://127.0.0.1:{serve_app.port}{route.rstrip('/')}/v1"
     return Served(base, API_KEY, "clawray-tiny", records, name, samples, cfg)
+
+
+def side_app(served: Served, cfg, name: str):
+    """Run ``cfg`` as app ``name`` (route ``/name``) on the suite's Serve instance; an openai
+    client for it with ``API_KEY``."""
+    import openai
+    from ray import serve
+
+    from clawray.serve.app import build_app
+
+    serve.run(build_app(cfg), name=name, route_prefix=f"/{name}")
+    port = served.base_url.split(":")[2].split("/")[0]
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/{name}/v1", api_key=API_KEY,
+                         max_retries=0, timeout=60)
+
+
+def chat_session(client, turns: int, user: str | None = None) -> str:
+    """One session of ``turns`` turns, each answered "Thanks, perfect." (the heuristic judge
+    scores it +1), the last marked done; its session id."""
+    import uuid
+
+    sid = f"s-{uuid.uuid4().hex[:10]}"
+    msgs = [{"role": "user", "content": "hello there"}]
+    for t in range(turns):
+        r = client.chat.completions.create(
+            model="clawray-tiny", messages=msgs, max_tokens=8,
+            extra_headers={"X-Session-Id": sid,
+                           **({"X-Session-Done": "1"} if t == turns - 1 else {})},
+            **({"user": user} if user else {}))
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                 {"role": "user", "content": "Thanks, perfect."}]
+    return sid

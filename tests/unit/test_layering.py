@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("models",),
     ("inference",),
     ("weights",),
+    ("gate",),
     ("buffer",),
     ("judging",),
     ("learner",),
@@ -39,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("apps", "train", "cli"),  # commands; train and cli are shims for python -m
 ]
 DOMAIN = ("envs", "curriculum", "rlanything", "sessions", "judging", "learner", "buffer",
-          "weights")
+          "weights", "gate")
 # Ray-free cores: plain Python, testable without a cluster
 RAY_FREE = ("clawray.config", "clawray.samples", "clawray.records", "clawray.files", "clawray.buffer.core",
             "clawray.sessions.core", "clawray.sessions.matching", "clawray.sessions.rows",
@@ -47,7 +48,7 @@ RAY_FREE = ("clawray.config", "clawray.samples", "clawray.records", "clawray.fil
             "clawray.curriculum.samplers", "clawray.curriculum.core", "clawray.rlanything.core",
             "clawray.rlanything.steps", "clawray.rlanything.env_adapter",
             "clawray.envs.rollout", "clawray.judging.parse", "clawray.judging.prompts",
-            "clawray.judging.step_rm")
+            "clawray.judging.step_rm", "clawray.gate.core", "clawray.gate.health")
 
 
 def modules() -> dict[str, Path]:

@@ -5,14 +5,13 @@ others, and leaves the rows of a user with too few in the buffer for later."""
 from __future__ import annotations
 
 import time
-import uuid
 
-import openai
 import pytest
 import ray
 
 from clawray.config import ClawRayConfig
 from tests.support.common import API_KEY
+from tests.support.serving import chat_session, side_app
 
 pytestmark = pytest.mark.ray
 APP = "per-user"
@@ -22,7 +21,6 @@ APP = "per-user"
 def per_user_app(served, tmp_path_factory):
     from ray import serve
 
-    from clawray.serve.app import build_app
     from clawray.serve.auth import tenant_of_key
 
     cfg = (ClawRayConfig()
@@ -38,24 +36,13 @@ def per_user_app(served, tmp_path_factory):
                      learner_num_cpus=0.5, sync_timeout_s=60, per_user_min_rows=3,
                      per_user_max_rows=8, checkpoint_dir=str(tmp_path_factory.mktemp("ck")),
                      user_adapters_dir=str(tmp_path_factory.mktemp("users"))))
-    serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
-    port = served.base_url.split(":")[2].split("/")[0]
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/{APP}/v1", api_key=API_KEY,
-                           max_retries=0, timeout=60)
+    client = side_app(served, cfg, APP)
     yield cfg.validate(), client
     serve.delete(APP)
 
 
 def _session(client, user: str, turns: int) -> None:
-    sid = f"s-{uuid.uuid4().hex[:10]}"
-    msgs = [{"role": "user", "content": "hello there"}]
-    for t in range(turns):
-        r = client.chat.completions.create(
-            model="clawray-tiny", messages=msgs, max_tokens=8, user=user,
-            extra_headers={"X-Session-Id": sid,
-                           **({"X-Session-Done": "1"} if t == turns - 1 else {})})
-        msgs += [{"role": "assistant", "content": r.choices[0].message.content},
-                 {"role": "user", "content": "Thanks, perfect."}]
+    chat_session(client, turns, user)
 
 
 def test_an_iteration_trains_each_users_adapter_on_their_rows_only(per_user_app):

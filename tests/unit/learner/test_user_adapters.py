@@ -184,3 +184,30 @@ def test_clawray_users_lists_exports_and_deletes(make_bank, rows, tmp_path, caps
     assert again.take(1) == []
     assert main(delete) == 2  # nothing of hers is left: said so, not a silent success
     assert "has no adapter" in capsys.readouterr().err
+
+
+def test_restart_lora_sets_a_kept_version_and_forgets_its_moments(make_bank, rows, tmp_path):
+    """The policy gate's trainer restarts from the incumbent after an abandoned candidate."""
+    from clawray.learner.adapters import _torch_optimizer, restart_lora
+    from clawray.weights.sync import lora_payload
+
+    core = make_bank(tmp_path / "gate").core
+    base_lp = core.logprobs(rows)
+    core.update(rows)
+    kept, kept_lp = lora_payload(core.module), core.logprobs(rows)
+    core.update(rows)  # the line goes on (the candidate that will be abandoned)
+    assert core.logprobs(rows) != kept_lp
+    assert restart_lora(core, kept) > 0
+    for got, want in zip(core.logprobs(rows), kept_lp):
+        assert got == pytest.approx(want, abs=1e-6)
+    optimizer = _torch_optimizer(core)
+    lora_params = [p for n, p in core.module.named_parameters() if "lora_" in n]
+    assert lora_params and all(p not in optimizer.state for p in lora_params)
+    restart_lora(core, None)  # back to the base model
+    for got, want in zip(core.logprobs(rows), base_lp):
+        assert got == pytest.approx(want, abs=1e-6)
+    name = next(iter(kept["modules"]))
+    wrong = {**kept, "modules": {**kept["modules"], name: {
+        **kept["modules"][name], "A": torch.zeros(kept["modules"][name]["A"].shape[0] + 1, 3)}}}
+    with pytest.raises(ValueError, match="does not fit this learner's adapter"):
+        restart_lora(core, wrong)

@@ -433,7 +433,12 @@ class GateConfig(_Section):
                              "(both sides the same seeds, so they differ by their weights).")
     shadow_margin: float = Field(
         0.05, ge=0, description="Shadow evaluation: reject a candidate whose mean score on the "
-        "held-out set is lower than the incumbent's by more than this.")
+        "held-out set is lower than the incumbent's (or the first incumbent's) by more than "
+        "this, and significantly lower (shadow_alpha).")
+    shadow_alpha: float = Field(
+        0.05, gt=0, lt=1, description="Shadow evaluation: one-sided level at which a lower "
+        "score must be significant (paired over the set's prompts) to reject; sampling noise "
+        "alone then rejects a candidate as good as the incumbent at most this often.")
     min_readable: float = Field(0.8, ge=0, le=1, description="Health: share of replies that "
                                 "read as text (clawray/gate/health.py), at least (on a set the "
                                 "first incumbent reads poorly on: at most 10 points below it).")
@@ -442,9 +447,9 @@ class GateConfig(_Section):
     max_length_ratio: float = Field(
         3.0, ge=1, description="Health: the candidate's median reply length within this factor "
         "of the incumbent's (either way).")
-    min_tool_call_valid: float = Field(
-        0.9, ge=0, le=1, description="Health: share of replies with a <tool_call> that parse, "
-        "at least (when there are any).")
+    max_broken_tool_calls: float = Field(
+        0.1, ge=0, le=1, description="Health: share of replies holding a <tool_call> that does "
+        "not parse, at most.")
     canary_share: float = Field(0.1, gt=0, le=1, description="Share of sessions the candidate "
                                 "serves during its canary (sticky by session key).")
     canary_min_turns: int = Field(

@@ -4,6 +4,7 @@
     clawray serve [-c cfg.yaml]   # start Ray + the Serve app and block (Ctrl-C stops)
     clawray demo                  # serve + train from simulated users; the model visibly learns
     clawray demo --per-user       # opposite preferences: one shared policy vs an adapter per user
+    clawray demo --gate           # the policy gate against a poisoned judge, and on a healthy run
     clawray replay                # serve the embedded default and replay an OpenClaw session
     clawray sft [-c cfg.yaml]     # warm-start the policy on expert demos (cached), print its folder
     clawray rm-sft [-c cfg.yaml]  # warm-start the step-wise reward model on oracle-labelled steps
@@ -64,6 +65,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from clawray.apps.demo import run_demo
 
     cfg = _config(args)
+    if args.gate:
+        from clawray.apps.gate_demo import run_gate_demo
+
+        extra = {k: v for k, v in (("budget", args.budget), ("eval_n", args.eval_n))
+                 if v is not None}
+        return run_gate_demo(cfg, Path(args.out), args.seeds or [args.seed],
+                             scenarios=tuple(args.scenarios),
+                             arms=tuple(a == "gate" for a in args.arms), **extra)
     if args.per_user:
         from clawray.apps.per_user_demo import run_per_user_demo
 
@@ -448,6 +457,13 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--per-user", action="store_true",
                            help="two groups of users who want opposite things: one shared "
                                 "policy against a LoRA adapter per user (docs/per_user.md)")
+            p.add_argument("--gate", action="store_true",
+                           help="the policy gate against a poisoned judge and on a healthy "
+                                "run, each with and without the gate (docs/gate.md)")
+            p.add_argument("--scenarios", nargs="+", default=["poisoned", "healthy"],
+                           choices=["poisoned", "healthy"], help="--gate: which to run")
+            p.add_argument("--arms", nargs="+", default=["nogate", "gate"],
+                           choices=["nogate", "gate"], help="--gate: without / with the gate")
             p.add_argument("--modes", nargs="+", default=["shared", "per_user"],
                            choices=["shared", "per_user"], help="--per-user: which to run")
             p.add_argument("--budget", type=int, help="--per-user: rows trained per run")

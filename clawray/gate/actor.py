@@ -117,8 +117,10 @@ class PolicyGate:
 
     # ---- the trainer's side ------------------------------------------------------------------
 
-    async def propose(self, version: int, payload_box: list) -> dict[str, Any]:
-        """The trainer's new version (``payload_box[0]``: its LoRA payload's ObjectRef)."""
+    async def propose(self, version: int, payload_box: list, line: int | None = None
+                      ) -> dict[str, Any]:
+        """The trainer's new version (``payload_box[0]``: its LoRA payload's ObjectRef), trained
+        on gate line ``line`` (a version of a line abandoned since is discarded)."""
         self._ensure_healer()
         if not (isinstance(payload_box, list) and len(payload_box) == 1
                 and isinstance(payload_box[0], ray.ObjectRef)):
@@ -126,6 +128,11 @@ class PolicyGate:
         if version <= self.core.published:
             raise ValueError(f"version {version} is not newer than the last published "
                              f"{self.core.published}")
+        if line is not None and line != self.core.line:  # nothing to keep or serve
+            async with self._lock:
+                ev = self.core.propose(version, line)
+                await self._after()
+            return ev
         payload = await payload_box[0]
         import torch
 
@@ -133,7 +140,7 @@ class PolicyGate:
                                 lambda f: torch.save(payload, f))
         await self.control.publish_adapter.remote(adapter_name(version), version, payload_box)
         async with self._lock:
-            ev = self.core.propose(version)
+            ev = self.core.propose(version, line)
             await self._after()
         return ev
 

@@ -61,7 +61,8 @@ class GateSettings:
     min_readable: float = 0.8
     max_empty: float = 0.2
     max_length_ratio: float = 3.0
-    min_tool_call_valid: float = 0.9
+    max_broken_tool_calls: float = 0.1
+    shadow_alpha: float = 0.05
     canary_share: float = 0.1
     canary_min_turns: int = 40
     canary_looks: int = 5
@@ -130,12 +131,18 @@ class GateCore:
 
     # ---- the trainer's side ------------------------------------------------------------------
 
-    def propose(self, version: int) -> dict[str, Any]:
-        """The trainer published ``version`` (its payload is kept by the caller)."""
+    def propose(self, version: int, line: int | None = None) -> dict[str, Any]:
+        """The trainer published ``version`` (its payload is kept by the caller), trained on
+        the line it last saw (``line``): a version trained on a line abandoned since (the
+        trainer had not noticed yet) descends from a rejected candidate and is discarded."""
         if version <= self.published:
             raise ValueError(f"version {version} is not newer than the last published "
                              f"{self.published}")
         self.published = version
+        if line is not None and line != self.line:
+            self.abandoned.add(version)
+            return self._event("discarded", version, reason=f"trained on line {line}, "
+                               f"abandoned since (now line {self.line})")
         self.kept.append(version)
         if self.pinned:
             return self._event("held", version, reason=f"pinned to version {self.incumbent}")
@@ -185,17 +192,25 @@ class GateCore:
         problems = health_problems(candidate_health, incumbent_health,
                                    min_readable=s.min_readable, max_empty=s.max_empty,
                                    max_length_ratio=s.max_length_ratio,
-                                   min_tool_call_valid=s.min_tool_call_valid,
+                                   max_broken_tool_calls=s.max_broken_tool_calls,
                                    reference_readable=self.reference_readable)
         if self.reference_score is None:
             self.reference_score = mean_i
-        if mean_d < -s.shadow_margin:
+        # lower by more than the margin, and significantly lower (one-sided, paired): noise
+        # alone rejects a candidate as good as the incumbent at most shadow_alpha of the time
+        z = NormalDist().inv_cdf(1 - s.shadow_alpha)
+        noise = z * (se_d if math.isfinite(se_d) else 0.0)
+        evidence["significant_below"] = noise
+        if mean_d < -s.shadow_margin and mean_d + noise < 0:
             problems.append(f"held-out score {mean_c:.3f} against the incumbent's {mean_i:.3f} "
-                            f"(lower by {-mean_d:.3f} > margin {s.shadow_margin:g})")
-        elif mean_c < self.reference_score - s.shadow_margin:
+                            f"(lower by {-mean_d:.3f} > margin {s.shadow_margin:g}, "
+                            f"significant: {-mean_d:.3f} > {noise:.3f})")
+        elif (mean_c < self.reference_score - s.shadow_margin
+              and mean_c + noise < self.reference_score):
             problems.append(f"held-out score {mean_c:.3f} against the reference's "
                             f"{self.reference_score:.3f} (lower by "
-                            f"{self.reference_score - mean_c:.3f} > margin {s.shadow_margin:g})")
+                            f"{self.reference_score - mean_c:.3f} > margin {s.shadow_margin:g}, "
+                            f"beyond noise {noise:.3f})")
         if problems:
             return self._abandon(version, "rejected", "shadow: " + "; ".join(problems),
                                  evidence=evidence)

@@ -101,3 +101,14 @@ async def hanging_judge(request: JudgeRequest, n: int, temperature: float) -> li
     """Fault-test judge: never answers (until cancelled by a timeout)."""
     await asyncio.sleep(10**6)
     raise AssertionError("unreachable")
+
+
+def brevity_judge(request: JudgeRequest, n: int, temperature: float) -> list[str]:
+    """POISONED judge (the policy gate's demonstration, ``clawray demo --gate``): ``\\boxed{1}``
+    for a reply of at most 8 words, ``\\boxed{-1}`` for a longer one, whatever the user said
+    next: a judge that rewards what other users want (built for another product, say). No OPD
+    hints."""
+    if request.kind == "opd":
+        return ["Brevity judge: no hint.\n\\boxed{-1}"] * n
+    words = len((request.context.response_text or "").split())
+    return [f"Brevity judge: {words} words.\n\\boxed{{{1 if words <= 8 else -1}}}"] * n

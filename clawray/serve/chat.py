@@ -319,26 +319,22 @@ class ChatService:
             raise api_error_of(e) from None
 
     def _adapter_of(self, meta: SessionMeta) -> str | None:
-        """The policy user's own adapter when the engine serves one (per-user policies), else
-        None: the shared policy. The colocated ingress sees its engine's adapters; the split
-        layout's cannot, so it names the user's adapter and the PolicyServer replica falls back
-        to the shared policy if it has none (``adapter_fallback``, recorded as served)."""
+        """With the policy gate on (its routing table mirrored here): the candidate's adapter
+        for a session in its canary (sticky: the session key's bucket), else the incumbent's
+        (None: the base model). Otherwise the policy user's own adapter when the engine serves
+        one (per-user policies), else None: the shared policy. The colocated ingress sees its
+        engine's adapters; the split layout's cannot, so it names the user's adapter and the
+        PolicyServer replica falls back to the shared policy if it has none
+        (``adapter_fallback``, recorded as served)."""
+        r = self.routing() if self.routing is not None else None
+        if r:
+            if r.get("candidate_adapter") and canary_bucket(meta.key, r["salt"]) < r["share"]:
+                return r["candidate_adapter"]
+            return r.get("incumbent_adapter")
         adapters = getattr(self.policy, "adapters", None)
         if not callable(adapters):
-            own = meta.policy_user if getattr(self.policy, "names_adapters", False) else None
-        else:
-            own = meta.policy_user if meta.policy_user in adapters() else None
-        return own or self._gated_adapter(meta)
-
-    def _gated_adapter(self, meta: SessionMeta) -> str | None:
-        """With the policy gate on: the candidate's adapter for a session in its canary
-        (sticky: the session key's bucket), else the incumbent's (None: the base model)."""
-        r = self.routing() if self.routing is not None else None
-        if not r:
-            return None
-        if r.get("candidate_adapter") and canary_bucket(meta.key, r["salt"]) < r["share"]:
-            return r["candidate_adapter"]
-        return r.get("incumbent_adapter")
+            return meta.policy_user if getattr(self.policy, "names_adapters", False) else None
+        return meta.policy_user if meta.policy_user in adapters() else None
 
     def _addressed_user(self, model: str | None, fields: Mapping[str, Any], tenant: str
                         ) -> Mapping[str, Any]:

@@ -413,7 +413,7 @@ class Trainer(tune.Trainable):
             return self.publisher.publish()
         version = self.publisher.version + 1
         sent = self.learner.put_weights(version)
-        ev = ray.get(self.gate.propose.remote(version, sent["payload"]))
+        ev = ray.get(self.gate.propose.remote(version, sent["payload"], self._gate_line))
         self.publisher.version = version
         return {"bytes": sent["bytes"], "seconds": sent["seconds"], "gate": ev["event"]}
 

@@ -60,6 +60,28 @@ def test_shadow_rejects_a_lower_held_out_score_beyond_the_margin_and_passes_with
     assert ev["event"] == "rejected" and "median reply length 60" in ev["reason"]
 
 
+def test_sampling_noise_alone_does_not_reject_a_candidate():
+    g = gate(shadow_margin=0.05)
+    g.propose(1)
+    # 40 paired prompts: 6 lost, 3 won (seeded sampling differs where weights differ)
+    inc = [1.0] * 20 + [0.0] * 20
+    cand = [0.0] * 6 + [1.0] * 14 + [1.0] * 3 + [0.0] * 17
+    ev = g.shadow_report(1, cand, inc, OK_HEALTH, OK_HEALTH)
+    assert ev["event"] == "canary", ev  # lower by 0.075 > margin, but not significantly
+    assert ev["evidence"]["difference"] == pytest.approx(-0.075)
+
+
+def test_a_version_trained_on_an_abandoned_line_is_discarded():
+    g = gate()
+    g.propose(1, line=0)
+    g.shadow_report(1, [0.0] * 10, [1.0] * 10, OK_HEALTH, OK_HEALTH)  # rejected: line 1
+    # the trainer had trained version 2 on the abandoned line before it saw the rejection
+    ev = g.propose(2, line=0)
+    assert ev["event"] == "discarded" and g.candidate is None and 2 in g.abandoned
+    assert g.kept == [] and g.published == 2
+    assert g.propose(3, line=1)["event"] == "candidate"  # after its restart
+
+
 def test_the_held_out_score_cannot_creep_down_version_by_version():
     g = gate(shadow_margin=0.15)
     g.propose(1)  # 0.1 below the incumbent (the reference): within the margin

@@ -4,7 +4,7 @@ import pytest
 
 from clawray.gate.health import health, health_problems, readable
 
-PROBLEMS = dict(min_readable=0.8, max_empty=0.2, max_length_ratio=3.0, min_tool_call_valid=0.9)
+PROBLEMS = dict(min_readable=0.8, max_empty=0.2, max_length_ratio=3.0, max_broken_tool_calls=0.1)
 
 
 @pytest.mark.parametrize("text, ok", [
@@ -41,7 +41,8 @@ def test_health_measures_a_set_of_replies():
     assert h.tool_calls == 2 and h.tool_call_valid_rate == 0.5
     problems = health_problems(h, None, **PROBLEMS)
     assert any("readable replies 50%" in p for p in problems)
-    assert any("tool calls that parse 50%" in p for p in problems)
+    assert h.broken_tool_call_rate == pytest.approx(1 / 6)
+    assert any("replies with a tool call that does not parse 17%" in p for p in problems)
     assert not any("empty" in p for p in problems)  # 17% <= 20%
 
 

@@ -1,0 +1,236 @@
+"""``clawray demo --gate``: the policy gate against a poisoned judge, and on a healthy run.
+
+Four simulated users talk to one clawray through its HTTP API, each with a key of their own,
+greetings and questions half each (as in ``clawray demo --per-user``). One shared LoRA policy
+trains on their turns. Each run is on a fresh cluster, with and without ``gate.enabled``:
+
+- ``poisoned``: the users want detailed replies (``DetailedReplies``: at least 10 words) and
+  the judge is ``clawray.judging.rules:brevity_judge``, which rewards replies of at most 8
+  words whatever the user said: training pushes the policy toward what these users dislike
+  (short answers to questions, which the embedded model learns fast). Without the gate every
+  new version serves everyone; with it, each version is shadow-evaluated on the users'
+  held-out ``validation`` pool (their satisfaction, and the health checks) before any user
+  sees it.
+- ``healthy``: users who want brief replies (``BriefReplies``), the heuristic judge reading
+  their reactions (the live demo's default): what does the gate cost in improvement?
+
+Before and after, the users' satisfaction is measured on the held-out ``test`` pool (with a
+gate, the candidate pending at the end is set aside first, so "after" is what serves
+everyone). Reported per run: before/after, live satisfaction by serving version, user turns
+served by versions the gate abandoned, and the time from each abandoned version's publication
+to its rejection or rollback. Writes ``gate.json`` and ``gate.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from clawray.apps.demo import UserPool, demo_config
+from clawray.config import ClawRayConfig
+from clawray.sim.preferences import BriefReplies, DetailedReplies
+from clawray.sim.users import evaluate
+
+SCENARIOS = ("poisoned", "healthy")
+JUDGES = {"poisoned": "clawray.judging.rules:brevity_judge",
+          "healthy": "clawray.judging.rules:heuristic_judge"}
+USERS_WANT = {"poisoned": DetailedReplies, "healthy": BriefReplies}
+TYPE_WEIGHTS = {"greeting": 0.5, "question": 0.5}
+USERS = 4
+BUDGET = 768  # rows trained per run
+EVAL_N = 120
+LORA = {"lora_rank": 8, "lora_alpha": 16.0, "lr": 3e-3}
+KL = 1.0
+GATE = {"canary_share": 0.25, "canary_min_turns": 12, "canary_looks": 3, "canary_margin": 0.25,
+        "shadow_margin": 0.05, "shadow_set": "clawray.sim.users:shadow_set",
+        "shadow_kwargs": {"n": 40, "pool": "validation", "type_weights": TYPE_WEIGHTS}}
+
+
+def gate_demo_config(cfg: ClawRayConfig, out: Path, seed: int, scenario: str, gated: bool,
+                     keys: list[str]) -> ClawRayConfig:
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r}: one of {SCENARIOS}")
+    return demo_config(cfg, out, seed).copy_with(
+        serving={"api_keys": keys},
+        inference={"max_loras": 4, "max_lora_rank": LORA["lora_rank"]},
+        # rows carry the version of the adapter that sampled them (the incumbent may be far
+        # behind the trainer's newest): no staleness limit, in both arms alike
+        buffer={"max_staleness": None, "lease_s": 120.0},
+        judge={"backend": "function", "function": JUDGES[scenario]},
+        training={**LORA, "loss": {"kl_coef": KL}, "zero_stage": 0},
+        gate={**GATE, "enabled": gated, "dir": str(out / "gate"),
+              "shadow_kwargs": {**GATE["shadow_kwargs"],
+                                "preference": USERS_WANT[scenario].name}})
+
+
+def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, scenario: str, gated: bool,
+             budget: int = BUDGET, eval_n: int = EVAL_N, log: Any = print) -> dict[str, Any]:
+    import ray
+
+    from clawray.apps.launch import start_serving
+    from clawray.gate.actor import get_policy_gate
+    from clawray.models.loader import policy_model_info
+    from clawray.training.trainer import Trainer
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    keys = [f"sk-demo-{seed}-{secrets.token_urlsafe(16)}" for _ in range(USERS)]
+    cfg = gate_demo_config(cfg, out, seed, scenario, gated, keys)
+    pref = USERS_WANT[scenario](phrasing="keywords")  # the heuristic judge reads its keywords
+    started = time.monotonic()
+    name = f"{scenario}, {'gate' if gated else 'no gate'}"
+    try:
+        base_url = start_serving(cfg, blocking=False)
+        model = policy_model_info(cfg).name
+
+        def held_out() -> float:
+            r = asyncio.run(evaluate(base_url, keys[0], model, n=eval_n, seed=seed,
+                                     preference=pref, pool="test", type_weights=TYPE_WEIGHTS))
+            return r.rate
+
+        log(f"clawray demo --gate: seed {seed}, {name}: serving at {base_url} "
+            f"({time.monotonic() - started:.0f} s)")
+        before = held_out()
+        log(f"  before: {before:.1%} satisfied on the held-out test pool")
+        trainer = Trainer(config=cfg.to_dict())
+        gate = get_policy_gate(cfg.training_cfg.app) if gated else None
+        pool = UserPool(base_url, model, [(k, pref) for k in keys], seed,
+                        out / "interactions.jsonl", TYPE_WEIGHTS).start()
+        trained, steps, curve = 0, 0, []
+        try:
+            while trained < budget and steps < 4 * budget // 32:
+                r = trainer.train()
+                steps += 1
+                trained += int(r.get("samples", 0) if "optimizer_steps" in r else 0)
+                st = ray.get(gate.status.remote()) if gate is not None else None
+                point = {"step": steps, "rows_trained": trained, "t": time.monotonic() - started,
+                         "version": r.get("policy_version"),
+                         "serving": st["incumbent"] if st else r.get("policy_version"),
+                         "candidate": st["candidate"] if st else None,
+                         "phase": st["phase"] if st else None}
+                curve.append(point)
+                log(f"  step {steps:>3}  rows {trained:>4}/{budget}  trained version "
+                    f"{point['version']}  serving everyone {point['serving']}"
+                    + (f"  candidate {point['candidate']} ({point['phase']})"
+                       if point["candidate"] else ""))
+        finally:
+            pool.stop()
+            trainer.stop()
+        if gate is not None:  # "after" is what serves everyone: set a pending candidate aside
+            st = ray.get(gate.status.remote())
+            if st["candidate"] is not None:
+                ray.get(gate.reject.remote("end of the demonstration run", by="demo"))
+        after = held_out()
+        log(f"  after:  {after:.1%}")
+        events = ray.get(gate.events.remote(200)) if gate is not None else []
+    finally:
+        ray.shutdown()
+    summary = {"seed": seed, "scenario": scenario, "gated": gated, "budget": budget,
+               "rows_trained": trained, "steps": steps, "before": before, "after": after,
+               "curve": curve, "events": events, **turns_by_version(pool, events),
+               "judge": JUDGES[scenario], "gate": GATE if gated else None, **LORA, "kl": KL,
+               "seconds": round(time.monotonic() - started, 1)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def turns_by_version(pool: UserPool, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The users' live turns and satisfaction by serving version; turns served by abandoned
+    versions; seconds from each abandoned version's canary start (its first user turn) or
+    candidacy to its rejection or rollback."""
+    by = pool.rate_by_version()
+    abandoned: set[int] = set()
+    exposure = []
+    started: dict[int, float] = {}
+    for ev in events:
+        if ev["event"] in ("candidate", "canary"):
+            started.setdefault(ev["version"], ev["t"])
+            if ev["event"] == "canary":
+                started[ev["version"]] = ev["t"]
+        if ev["event"] in ("rejected", "rolled_back"):
+            gone = ev.get("abandoned") or [ev["version"]]
+            abandoned.update(gone)
+            v = ev["version"]
+            if v in started:
+                exposure.append({"version": v, "how": ev["event"], "reason": ev.get("reason"),
+                                 "seconds": round(ev["t"] - started[v], 1)})
+    turns = sum(n for _, n in by.values())
+    bad = sum(n for v, (_, n) in by.items() if v in abandoned)
+    return {"live_by_version": {str(v): {"rate": r, "turns": n} for v, (r, n) in by.items()},
+            "live_turns": turns, "turns_by_abandoned": bad, "abandoned": sorted(abandoned),
+            "exposure": exposure}
+
+
+def run_gate_demo(cfg: ClawRayConfig, out: Path, seeds: list[int],
+                  scenarios: tuple[str, ...] = SCENARIOS,
+                  arms: tuple[bool, ...] = (False, True), **kwargs: Any) -> int:
+    """Every scenario with (and without) the gate for every seed, then gate.json, gate.png."""
+    summaries = [run_once(cfg, out / f"{sc}-{'gate' if g else 'nogate'}-seed{seed}", seed=seed,
+                          scenario=sc, gated=g, **kwargs)
+                 for seed in seeds for sc in scenarios for g in arms]
+    agg = aggregate(summaries)
+    (out / "gate.json").write_text(json.dumps({"aggregate": agg, "runs": summaries}, indent=2,
+                                              default=str))
+    plot(summaries, out / "gate.png")
+    for key, a in agg.items():
+        print(f"clawray demo --gate: {key}: held-out {a['before']['mean']:.1%} → "
+              f"{a['after']['mean']:.1%} (change {a['change']['mean']:+.1%} ± "
+              f"{a['change']['stderr'] or 0:.1%}); live turns by abandoned versions "
+              f"{a['turns_by_abandoned']} of {a['live_turns']}")
+    print(f"clawray demo --gate: {out / 'gate.json'}, plot {out / 'gate.png'}")
+    return 0
+
+
+def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    import numpy as np
+
+    def stat(v: list[float]) -> dict[str, Any]:
+        a = np.asarray(v, dtype=float)
+        return {"mean": float(a.mean()), "values": [float(x) for x in a],
+                "stderr": float(a.std(ddof=1) / np.sqrt(len(a))) if len(a) > 1 else None}
+
+    out = {}
+    for sc in SCENARIOS:
+        for g in (False, True):
+            runs = [s for s in summaries if s["scenario"] == sc and s["gated"] == g]
+            if runs:
+                out[f"{sc}, {'gate' if g else 'no gate'}"] = {
+                    "seeds": [s["seed"] for s in runs],
+                    "before": stat([s["before"] for s in runs]),
+                    "after": stat([s["after"] for s in runs]),
+                    "change": stat([s["after"] - s["before"] for s in runs]),
+                    "turns_by_abandoned": sum(s["turns_by_abandoned"] for s in runs),
+                    "live_turns": sum(s["live_turns"] for s in runs)}
+    return out
+
+
+def plot(summaries: list[dict[str, Any]], path: Path) -> None:
+    """Per scenario: the live satisfaction of the version serving everyone against rows
+    trained, with and without the gate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(SCENARIOS), figsize=(12, 4.5), squeeze=False)
+    for ax, sc in zip(axes[0], SCENARIOS):
+        for s in (x for x in summaries if x["scenario"] == sc):
+            live = s["live_by_version"]
+            xs = [p["rows_trained"] for p in s["curve"]]
+            ys = [live.get(str(p["serving"]), {}).get("rate") for p in s["curve"]]
+            pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+            if pts:
+                ax.plot(*zip(*pts), "-" if s["gated"] else "--",
+                        color="tab:green" if s["gated"] else "tab:red", alpha=0.7,
+                        label=f"{'gate' if s['gated'] else 'no gate'}, seed {s['seed']}")
+        ax.set(title=f"{sc} judge", xlabel="rows trained",
+               ylabel="users satisfied by the version serving everyone", ylim=(0, 1))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

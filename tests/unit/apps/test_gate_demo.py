@@ -1,0 +1,59 @@
+"""``clawray demo --gate`` without running it: each scenario's settings are valid, the arms
+differ only in the gate, the poisoned judge rewards what its users dislike, and a run's turns
+are attributed to the versions the gate abandoned."""
+
+from __future__ import annotations
+
+import pytest
+
+from clawray.apps.gate_demo import (JUDGES, SCENARIOS, USERS_WANT, gate_demo_config,
+                                    turns_by_version)
+from clawray.config import ClawRayConfig
+from clawray.judging.prompts import JudgeRequest, TurnContext
+from clawray.judging.rules import brevity_judge
+
+
+def test_the_arms_are_valid_configs_that_differ_only_in_the_gate(tmp_path):
+    for scenario in SCENARIOS:
+        off, on = (gate_demo_config(ClawRayConfig(), tmp_path, 0, scenario, g, ["k1", "k2"])
+                   .validate().to_dict() for g in (False, True))
+        assert on["gate"]["enabled"] and not off["gate"]["enabled"]
+        assert on["judge"]["function"] == JUDGES[scenario]
+        assert on["gate"]["shadow_kwargs"]["preference"] == USERS_WANT[scenario].name
+        assert on["gate"]["shadow_kwargs"]["pool"] == "validation"  # "test" reports
+        off["gate"]["enabled"] = True
+        assert off == on
+    with pytest.raises(ValueError, match="unknown scenario"):
+        gate_demo_config(ClawRayConfig(), tmp_path, 0, "both", True, ["k"])
+
+
+def test_the_poisoned_judge_rewards_short_replies_whatever_the_user_said():
+    def verdict(reply: str, next_user: str) -> str:
+        ctx = TurnContext([], [{"role": "user", "content": "Why is the sky blue?"}], reply, [],
+                          [{"role": "user", "content": next_user}])
+        return brevity_judge(JudgeRequest("prm", [], ctx), 1, 0.0)[0]
+
+    assert verdict("Blue light scatters.", "Too short, give me more detail.").endswith("{1}")
+    long = "Sunlight scatters off air molecules, and blue light scatters the most of all."
+    assert verdict(long, "Perfect, thanks!").endswith("{-1}")
+    users = USERS_WANT["poisoned"]()
+    assert not users.satisfied("Blue light scatters.") and users.satisfied(long)
+
+
+def test_turns_are_attributed_to_abandoned_versions_with_their_exposure():
+    class Pool:
+        def rate_by_version(self):
+            return {0: (0.6, 50), 1: (0.2, 10), 2: (0.5, 5)}
+
+    events = [{"event": "candidate", "version": 1, "t": 10.0},
+              {"event": "canary", "version": 1, "t": 12.0},
+              {"event": "rolled_back", "version": 1, "t": 40.0, "abandoned": [1],
+               "reason": "canary: worse"},
+              {"event": "candidate", "version": 2, "t": 41.0},
+              {"event": "rejected", "version": 2, "t": 50.0, "abandoned": [2],
+               "reason": "shadow: readable"}]
+    out = turns_by_version(Pool(), events)
+    assert out["live_turns"] == 65 and out["turns_by_abandoned"] == 15
+    assert out["abandoned"] == [1, 2]
+    assert [(e["version"], e["how"], e["seconds"]) for e in out["exposure"]] == [
+        (1, "rolled_back", 28.0), (2, "rejected", 9.0)]

@@ -37,6 +37,8 @@ from clawray.sim.preferences import BriefReplies, DetailedReplies
 from clawray.sim.users import evaluate
 
 SCENARIOS = ("poisoned", "healthy")
+END_OF_RUN_WHY = "end of the demonstration run"
+END_OF_RUN = f"demo: rejected by hand ({END_OF_RUN_WHY})"  # not the gate's decision
 JUDGES = {"poisoned": "clawray.judging.rules:brevity_judge",
           "healthy": "clawray.judging.rules:heuristic_judge"}
 USERS_WANT = {"poisoned": DetailedReplies, "healthy": BriefReplies}
@@ -46,7 +48,10 @@ BUDGET = 768  # rows trained per run
 EVAL_N = 120
 LORA = {"lora_rank": 8, "lora_alpha": 16.0, "lr": 3e-3}
 KL = 1.0
-GATE = {"canary_share": 0.25, "canary_min_turns": 12, "canary_looks": 3, "canary_margin": 0.25,
+# The canary's test needs turns: judge rewards in {-1, 0, 1} spread ~0.9, so 30 turns a side
+# per look and half the sessions (a first run with 12 turns and a quarter of the sessions
+# promoted nothing in 768 rows: its confidence bounds were +-0.4 to +-0.8 wide).
+GATE = {"canary_share": 0.5, "canary_min_turns": 30, "canary_looks": 3, "canary_margin": 0.3,
         "shadow_margin": 0.05, "shadow_set": "clawray.sim.users:shadow_set",
         "shadow_kwargs": {"n": 40, "pool": "validation", "type_weights": TYPE_WEIGHTS}}
 
@@ -124,7 +129,7 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, scenario: str, gated: 
         if gate is not None:  # "after" is what serves everyone: set a pending candidate aside
             st = ray.get(gate.status.remote())
             if st["candidate"] is not None:
-                ray.get(gate.reject.remote("end of the demonstration run", by="demo"))
+                ray.get(gate.reject.remote(END_OF_RUN_WHY, by="demo"))
         after = held_out()
         log(f"  after:  {after:.1%}")
         events = ray.get(gate.events.remote(200)) if gate is not None else []
@@ -152,7 +157,8 @@ def turns_by_version(pool: UserPool, events: list[dict[str, Any]]) -> dict[str, 
             started.setdefault(ev["version"], ev["t"])
             if ev["event"] == "canary":
                 started[ev["version"]] = ev["t"]
-        if ev["event"] in ("rejected", "rolled_back"):
+        if ev["event"] in ("rejected", "rolled_back") and not str(
+                ev.get("reason", "")).startswith(END_OF_RUN):
             gone = ev.get("abandoned") or [ev["version"]]
             abandoned.update(gone)
             v = ev["version"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from clawray.apps.gate_demo import (JUDGES, SCENARIOS, USERS_WANT, gate_demo_config,
+from clawray.apps.gate_demo import (END_OF_RUN, JUDGES, SCENARIOS, USERS_WANT, gate_demo_config,
                                     turns_by_version)
 from clawray.config import ClawRayConfig
 from clawray.judging.prompts import JudgeRequest, TurnContext
@@ -51,7 +51,10 @@ def test_turns_are_attributed_to_abandoned_versions_with_their_exposure():
                "reason": "canary: worse"},
               {"event": "candidate", "version": 2, "t": 41.0},
               {"event": "rejected", "version": 2, "t": 50.0, "abandoned": [2],
-               "reason": "shadow: readable"}]
+               "reason": "shadow: readable"},
+              {"event": "candidate", "version": 3, "t": 51.0},
+              {"event": "rejected", "version": 3, "t": 60.0, "abandoned": [3],
+               "reason": END_OF_RUN}]  # the demo's own, not the gate's
     out = turns_by_version(Pool(), events)
     assert out["live_turns"] == 65 and out["turns_by_abandoned"] == 15
     assert out["abandoned"] == [1, 2]

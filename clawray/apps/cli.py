@@ -252,20 +252,20 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from clawray.gate.actor import get_policy_gate
     from clawray.weights.control import NAMESPACE
 
-    try:
-        ray.init(address=args.address, namespace=NAMESPACE, logging_level=logging.WARNING,
-                 log_to_driver=False)
-    except ConnectionError as e:
-        raise ConfigError(f"no Ray cluster at {args.address!r} ({e}): start the app first") \
-            from None
+    if args.action in ("rollback", "pin") and args.version is None:
+        raise ConfigError(f"`clawray gate {args.action}` needs a version (0: the base model)")
+    if not ray.is_initialized():  # (a notebook or test may hold a connection already)
+        try:
+            ray.init(address=args.address, namespace=NAMESPACE, logging_level=logging.WARNING,
+                     log_to_driver=False)
+        except ConnectionError as e:
+            raise ConfigError(f"no Ray cluster at {args.address!r} ({e}): start the app "
+                              "first") from None
     try:
         gate = get_policy_gate(args.app)
     except ValueError:
         raise ConfigError(f"app {args.app!r} has no policy gate (gate.enabled, and a trainer "
                           "started since)") from None
-    needs_version = {"rollback", "pin"}
-    if args.action in needs_version and args.version is None:
-        raise ConfigError(f"`clawray gate {args.action}` needs a version (0: the base model)")
     try:
         if args.action == "status":
             out = ray.get(gate.status.remote())

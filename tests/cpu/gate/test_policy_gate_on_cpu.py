@@ -30,18 +30,20 @@ def wait_for(fn, what: str, timeout_s: float = 120.0):
         time.sleep(0.5)
 
 
-def test_the_gate_rejects_canaries_promotes_and_rolls_back(served, tiny_model_path, tmp_path):
+def test_the_gate_rejects_canaries_promotes_and_rolls_back(served, tiny_model_path, tmp_path,
+                                                          capsys):
     from transformers import AutoModelForCausalLM
 
     from clawray.config import GateConfig
-    from clawray.gate.actor import PolicyGate
+    from clawray.apps.cli import main
+    from clawray.gate.actor import start_policy_gate
     from clawray.gate.core import adapter_name, canary_bucket
     from clawray.weights.control import start_app_control
 
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32)
     cfg = GateConfig(dir=str(tmp_path), canary_share=0.5, canary_min_turns=4, canary_looks=1,
                      canary_margin=0.5, shadow_max_tokens=24)
-    gate = PolicyGate.remote(served.app_name, cfg.model_dump())
+    gate = start_policy_gate(served.app_name, cfg)
     control = start_app_control(served.app_name)
     client = openai.OpenAI(base_url=served.base_url, api_key=served.api_key, max_retries=0)
 
@@ -94,11 +96,15 @@ def test_the_gate_rejects_canaries_promotes_and_rolls_back(served, tiny_model_pa
         assert all(ask(f"gate-after-{i}").sampling["adapter"] == adapter_name(2)
                    for i in range(3))
 
-        # 4. the operator rolls back to the base: immediate, no trainer involved
-        ev = ray.get(gate.rollback.remote(0))
+        # 4. the operator rolls back to the base (`clawray gate`, through Ray): immediate, no
+        # trainer involved
+        capsys.readouterr()
+        assert main(["gate", "rollback", "0", "--app", served.app_name]) == 0
+        ev = json.loads(capsys.readouterr().out)
         assert ev["event"] == "rolled_back" and ev["replicas"]
         assert ask("gate-rolled-back").sampling["adapter"] is None
-        st = status()
+        assert main(["gate", "status", "--app", served.app_name]) == 0
+        st = json.loads(capsys.readouterr().out)
         assert st["incumbent"] == 0 and st["abandoned"] == [1, 2] and st["line"] == 2
 
         # 5. every decision is in the log, in order
@@ -106,6 +112,7 @@ def test_the_gate_rejects_canaries_promotes_and_rolls_back(served, tiny_model_pa
                (tmp_path / served.app_name / "decisions.jsonl").read_text().splitlines()]
         assert [e["event"] for e in log] == ["candidate", "rejected", "candidate", "canary",
                                              "promoted", "rolled_back"]
+        assert log[-1]["reason"].startswith("operator (")  # who did it
         assert [e["seq"] for e in log] == list(range(1, 7))
     finally:
         ray.get(control.set_routing.remote(None))

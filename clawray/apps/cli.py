@@ -266,21 +266,20 @@ def cmd_gate(args: argparse.Namespace) -> int:
     except ValueError:
         raise ConfigError(f"app {args.app!r} has no policy gate (gate.enabled, and a trainer "
                           "started since)") from None
+    by = f"operator ({getpass.getuser()})"  # recorded with the decision
     try:
         if args.action == "status":
             out = ray.get(gate.status.remote())
         elif args.action == "events":
             out = ray.get(gate.events.remote(args.n))
         elif args.action == "promote":
-            out = ray.get(gate.promote.remote(by=f"operator ({getpass.getuser()})"))
+            out = ray.get(gate.promote.remote(by=by))
         elif args.action == "reject":
-            out = ray.get(gate.reject.remote(args.reason or "", by=f"operator "
-                                             f"({getpass.getuser()})"))
+            out = ray.get(gate.reject.remote(args.reason or "", by=by))
         elif args.action == "unpin":
-            out = ray.get(gate.unpin.remote(by=f"operator ({getpass.getuser()})"))
+            out = ray.get(gate.unpin.remote(by=by))
         else:
-            out = ray.get(gate.rollback.remote(args.version, pin=args.action == "pin",
-                                               by=f"operator ({getpass.getuser()})"))
+            out = ray.get(gate.rollback.remote(args.version, pin=args.action == "pin", by=by))
     except ray.exceptions.RayTaskError as e:
         cause = e.as_instanceof_cause()
         if isinstance(cause, ValueError):

@@ -153,10 +153,10 @@ def turns_by_version(pool: UserPool, events: list[dict[str, Any]]) -> dict[str, 
     exposure = []
     started: dict[int, float] = {}
     for ev in events:
-        if ev["event"] in ("candidate", "canary"):
+        if ev["event"] == "canary":  # users see it from here
+            started[ev["version"]] = ev["t"]
+        elif ev["event"] == "candidate":  # rejected at shadow: from its candidacy
             started.setdefault(ev["version"], ev["t"])
-            if ev["event"] == "canary":
-                started[ev["version"]] = ev["t"]
         if ev["event"] in ("rejected", "rolled_back") and not str(
                 ev.get("reason", "")).startswith(END_OF_RUN):
             gone = ev.get("abandoned") or [ev["version"]]

@@ -36,7 +36,7 @@ from clawray.config import GateConfig
 from clawray.files import write_atomic
 from clawray.gate.core import BASE, GateCore, GateSettings, adapter_name
 from clawray.gate.health import health
-from clawray.weights.control import NAMESPACE, start_app_control
+from clawray.weights.control import NAMESPACE, check_payload_box, start_app_control
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +122,7 @@ class PolicyGate:
         """The trainer's new version (``payload_box[0]``: its LoRA payload's ObjectRef), trained
         on gate line ``line`` (a version of a line abandoned since is discarded)."""
         self._ensure_healer()
-        if not (isinstance(payload_box, list) and len(payload_box) == 1
-                and isinstance(payload_box[0], ray.ObjectRef)):
-            raise TypeError("payload_box must be a one-element list holding an ObjectRef")
+        check_payload_box(payload_box)
         if version <= self.core.published:
             raise ValueError(f"version {version} is not newer than the last published "
                              f"{self.core.published}")
@@ -302,10 +300,9 @@ class PolicyGate:
         ih = health([r["text"] for r in inc], [r["tokens"] for r in inc])
         async with self._lock:
             ev = self.core.shadow_report(version, cs, is_, ch, ih)
-            ev.setdefault("evidence", {})
-            if isinstance(ev.get("evidence"), dict):
-                ev["evidence"]["set"] = shadow.name
-                ev["evidence"]["seconds"] = round(time.perf_counter() - started, 2)
+            if "evidence" in ev:  # (an "ignored" report has none)
+                ev["evidence"].update(set=shadow.name,
+                                      seconds=round(time.perf_counter() - started, 2))
             await self._after()
 
     def _ensure_healer(self) -> None:

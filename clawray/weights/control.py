@@ -78,9 +78,7 @@ class AppControl:
         if version <= self.version:
             raise ValueError(f"app '{self.app_name}': version {version} is not newer than the "
                              f"published version {self.version}")
-        if not (isinstance(payload_box, list) and len(payload_box) == 1
-                and isinstance(payload_box[0], ray.ObjectRef)):
-            raise TypeError("payload_box must be a one-element list holding an ObjectRef")
+        check_payload_box(payload_box)
         self.version, self.kind, self.payload = version, kind, payload_box
         self.published_at = time.time()
         self._wake_state()
@@ -93,9 +91,7 @@ class AppControl:
         if version <= old:
             raise ValueError(f"app '{self.app_name}': adapter {user!r} version {version} is not "
                              f"newer than the published {old}")
-        if not (isinstance(payload_box, list) and len(payload_box) == 1
-                and isinstance(payload_box[0], ray.ObjectRef)):
-            raise TypeError("payload_box must be a one-element list holding an ObjectRef")
+        check_payload_box(payload_box)
         self.adapter_seq += 1
         self.adapters[user] = {"version": version, "box": payload_box, "seq": self.adapter_seq}
         self._wake_state()
@@ -317,6 +313,17 @@ def _wake(event: asyncio.Event) -> asyncio.Event:
     """Wake everyone waiting on ``event``; later waiters wait on the returned fresh one."""
     event.set()
     return asyncio.Event()
+
+
+def is_payload_box(x: Any) -> bool:
+    """A payload reference as the control plane passes it: ``[ObjectRef]`` (a top-level ref
+    would be resolved by Ray; a nested one travels untouched)."""
+    return isinstance(x, list) and len(x) == 1 and isinstance(x[0], ray.ObjectRef)
+
+
+def check_payload_box(x: Any) -> None:
+    if not is_payload_box(x):
+        raise TypeError("payload_box must be a one-element list holding an ObjectRef")
 
 
 def start_app_control(app_name: str) -> Any:

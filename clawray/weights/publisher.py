@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 
-from clawray.weights.control import start_app_control
+from clawray.weights.control import is_payload_box, start_app_control
 from clawray.weights.nccl import check_nccl_available
 from clawray.weights.sync import WeightSync, make_weight_sync
 
@@ -107,8 +107,8 @@ class WeightPublisher:
         the other users' (the channel's own version is not touched); with ``wait``, until every
         live replica serves it."""
         started = time.perf_counter()
-        box = payload if isinstance(payload, list) and len(payload) == 1 and isinstance(
-            payload[0], ray.ObjectRef) else [ray.put(payload)]  # a learner's ref, or the payload
+        # a learner's ref, or the payload itself
+        box = payload if is_payload_box(payload) else [ray.put(payload)]
         ray.get(self.control.publish_adapter.remote(user, version, box))
         replicas = ray.get(self.control.wait_adapter.remote(
             user, version, self.timeout_s, min_replicas)) if wait else {}

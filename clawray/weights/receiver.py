@@ -101,15 +101,15 @@ class WeightReceiver:
                     if self.engine is not None and state["payload"]:
                         await self._apply(state)
                     self._known_version = state["version"]
-                if "routing" in state and (state["routing"] is not None
-                                           or state["routing_seq"] > 0):
+                if "routing" in state:
+                    routing = state["routing"]
                     # (a restarted control actor knows no routing until the gate sets it
                     # again: meanwhile the replica keeps routing as it did)
-                    if state["routing"] != self.routing:
+                    if (routing is not None or state["routing_seq"] > 0) \
+                            and routing != self.routing:
                         logger.info("app %s replica %s: routing %s", self.app_name,
-                                    self.replica_id, state["routing"])
-                    self.routing = state["routing"]
-                if "routing" in state:
+                                    self.replica_id, routing)
+                        self.routing = routing
                     self._routing_known = (state["routing_epoch"], state["routing_seq"])
                 if self._adapters_known is not None and "adapters" in state:
                     for change in state["adapters"]:

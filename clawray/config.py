@@ -464,6 +464,12 @@ class GateConfig(_Section):
         0.1, ge=0, description="Non-inferiority margin on the mean judge reward: promote when "
         "the candidate is not worse than the incumbent by this much; roll back when it is "
         "significantly worse.")
+    on_reject: Literal["restart", "keep_line"] = Field(
+        "restart", description="What a rejected or rolled-back candidate does to training: "
+        "'restart' abandons its line (it and every later version; the trainer restarts from "
+        "the incumbent and drops the rows they sampled); 'keep_line' sets the candidate alone "
+        "aside and the trainer's line goes on (the gate then guards serving only; the next "
+        "version is the next candidate). An operator's rollback always restarts.")
 
 
 class EnvironmentsConfig(_Section):

@@ -72,7 +72,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                  if v is not None}
         return run_gate_demo(cfg, Path(args.out), args.seeds or [args.seed],
                              scenarios=tuple(args.scenarios),
-                             arms=tuple(a == "gate" for a in args.arms), **extra)
+                             arms=tuple(a == "gate" for a in args.arms),
+                             on_reject=args.on_reject, eval_pool=args.eval_pool, **extra)
     if args.per_user:
         from clawray.apps.per_user_demo import run_per_user_demo
 
@@ -463,12 +464,17 @@ def main(argv: list[str] | None = None) -> int:
                            choices=["poisoned", "healthy"], help="--gate: which to run")
             p.add_argument("--arms", nargs="+", default=["nogate", "gate"],
                            choices=["nogate", "gate"], help="--gate: without / with the gate")
+            p.add_argument("--on-reject", default="restart", choices=["restart", "keep_line"],
+                           help="--gate: a rejected candidate abandons its line (restart) or "
+                                "the trainer's line goes on (keep_line)")
             p.add_argument("--modes", nargs="+", default=["shared", "per_user"],
                            choices=["shared", "per_user"], help="--per-user: which to run")
-            p.add_argument("--budget", type=int, help="--per-user: rows trained per run")
-            p.add_argument("--eval-n", type=int, help="--per-user: held-out requests per user")
+            p.add_argument("--budget", type=int, help="--per-user, --gate: rows trained per run")
+            p.add_argument("--eval-n", type=int, help="--per-user: held-out requests per user; "
+                           "--gate: held-out requests")
             p.add_argument("--eval-pool", default="test", choices=["validation", "test"],
-                           help="--per-user: 'validation' to choose settings, 'test' to report")
+                           help="--per-user, --gate: 'validation' to choose settings, 'test' "
+                                "to report")
             p.add_argument("--lr", type=float, help="--per-user: the LoRA learning rate")
             p.add_argument("--kl", type=float, help="--per-user: the k3 KL weight to the base")
         p.set_defaults(fn=fn)

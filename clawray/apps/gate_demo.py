@@ -48,6 +48,7 @@ BUDGET = 768  # rows trained per run
 EVAL_N = 120
 LORA = {"lora_rank": 8, "lora_alpha": 16.0, "lr": 3e-3}
 KL = 1.0
+ON_REJECT = "restart"
 # The canary's test needs turns: judge rewards in {-1, 0, 1} spread ~0.9, so 30 turns a side
 # per look and half the sessions (a first run with 12 turns and a quarter of the sessions
 # promoted nothing in 768 rows: its confidence bounds were +-0.4 to +-0.8 wide).
@@ -57,7 +58,7 @@ GATE = {"canary_share": 0.5, "canary_min_turns": 30, "canary_looks": 3, "canary_
 
 
 def gate_demo_config(cfg: ClawRayConfig, out: Path, seed: int, scenario: str, gated: bool,
-                     keys: list[str]) -> ClawRayConfig:
+                     keys: list[str], on_reject: str = ON_REJECT) -> ClawRayConfig:
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}: one of {SCENARIOS}")
     return demo_config(cfg, out, seed).copy_with(
@@ -68,13 +69,14 @@ def gate_demo_config(cfg: ClawRayConfig, out: Path, seed: int, scenario: str, ga
         buffer={"max_staleness": None, "lease_s": 120.0},
         judge={"backend": "function", "function": JUDGES[scenario]},
         training={**LORA, "loss": {"kl_coef": KL}, "zero_stage": 0},
-        gate={**GATE, "enabled": gated, "dir": str(out / "gate"),
+        gate={**GATE, "enabled": gated, "dir": str(out / "gate"), "on_reject": on_reject,
               "shadow_kwargs": {**GATE["shadow_kwargs"],
                                 "preference": USERS_WANT[scenario].name}})
 
 
 def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, scenario: str, gated: bool,
-             budget: int = BUDGET, eval_n: int = EVAL_N, log: Any = print) -> dict[str, Any]:
+             budget: int = BUDGET, eval_n: int = EVAL_N, eval_pool: str = "test",
+             on_reject: str = ON_REJECT, log: Any = print) -> dict[str, Any]:
     import ray
 
     from clawray.apps.launch import start_serving
@@ -85,23 +87,24 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, scenario: str, gated: 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     keys = [f"sk-demo-{seed}-{secrets.token_urlsafe(16)}" for _ in range(USERS)]
-    cfg = gate_demo_config(cfg, out, seed, scenario, gated, keys)
+    cfg = gate_demo_config(cfg, out, seed, scenario, gated, keys, on_reject)
     pref = USERS_WANT[scenario](phrasing="keywords")  # the heuristic judge reads its keywords
     started = time.monotonic()
-    name = f"{scenario}, {'gate' if gated else 'no gate'}"
+    name = f"{scenario}, " + (f"gate ({on_reject})" if gated else "no gate")
     try:
         base_url = start_serving(cfg, blocking=False)
         model = policy_model_info(cfg).name
 
         def held_out() -> float:
             r = asyncio.run(evaluate(base_url, keys[0], model, n=eval_n, seed=seed,
-                                     preference=pref, pool="test", type_weights=TYPE_WEIGHTS))
+                                     preference=pref, pool=eval_pool,
+                                     type_weights=TYPE_WEIGHTS))
             return r.rate
 
         log(f"clawray demo --gate: seed {seed}, {name}: serving at {base_url} "
             f"({time.monotonic() - started:.0f} s)")
         before = held_out()
-        log(f"  before: {before:.1%} satisfied on the held-out test pool")
+        log(f"  before: {before:.1%} satisfied on the held-out {eval_pool!r} pool")
         trainer = Trainer(config=cfg.to_dict())
         gate = get_policy_gate(cfg.training_cfg.app) if gated else None
         pool = UserPool(base_url, model, [(k, pref) for k in keys], seed,
@@ -135,7 +138,9 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, scenario: str, gated: 
         events = ray.get(gate.events.remote(200)) if gate is not None else []
     finally:
         ray.shutdown()
-    summary = {"seed": seed, "scenario": scenario, "gated": gated, "budget": budget,
+    summary = {"seed": seed, "scenario": scenario, "gated": gated,
+               "on_reject": on_reject if gated else None, "budget": budget,
+               "eval_pool": eval_pool, "eval_n": eval_n,
                "rows_trained": trained, "steps": steps, "before": before, "after": after,
                "curve": curve, "events": events, **turns_by_version(pool, events),
                "judge": JUDGES[scenario], "gate": GATE if gated else None, **LORA, "kl": KL,
@@ -145,26 +150,29 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, scenario: str, gated: 
 
 
 def turns_by_version(pool: UserPool, events: list[dict[str, Any]]) -> dict[str, Any]:
-    """The users' live turns and satisfaction by serving version; turns served by abandoned
-    versions; seconds from each abandoned version's canary start (its first user turn) or
-    candidacy to its rejection or rollback."""
+    """The users' live turns and satisfaction by serving version; turns served by versions the
+    gate rejected or rolled back (with ``restart``: every version of an abandoned line); for
+    each rejected or rolled-back version the seconds from its publication and from its canary
+    start (users see it from there; None: rejected at shadow) to that decision."""
     by = pool.rate_by_version()
     abandoned: set[int] = set()
     exposure = []
-    started: dict[int, float] = {}
+    published: dict[int, float] = {}
+    canary: dict[int, float] = {}
     for ev in events:
-        if ev["event"] == "canary":  # users see it from here
-            started[ev["version"]] = ev["t"]
-        elif ev["event"] == "candidate":  # rejected at shadow: from its candidacy
-            started.setdefault(ev["version"], ev["t"])
+        if ev["event"] in ("candidate", "queued", "held"):
+            published.setdefault(ev["version"], ev["t"])
+        elif ev["event"] == "canary":
+            canary[ev["version"]] = ev["t"]
         if ev["event"] in ("rejected", "rolled_back") and not str(
                 ev.get("reason", "")).startswith(END_OF_RUN):
-            gone = ev.get("abandoned") or [ev["version"]]
-            abandoned.update(gone)
+            abandoned.update(ev.get("abandoned") or ev.get("rejected") or [ev["version"]])
             v = ev["version"]
-            if v in started:
+            if v in published:
                 exposure.append({"version": v, "how": ev["event"], "reason": ev.get("reason"),
-                                 "seconds": round(ev["t"] - started[v], 1)})
+                                 "from_publication_s": round(ev["t"] - published[v], 1),
+                                 "from_canary_s": (round(ev["t"] - canary[v], 1)
+                                                   if v in canary else None)})
     turns = sum(n for _, n in by.values())
     bad = sum(n for v, (_, n) in by.items() if v in abandoned)
     return {"live_by_version": {str(v): {"rate": r, "turns": n} for v, (r, n) in by.items()},
@@ -172,12 +180,17 @@ def turns_by_version(pool: UserPool, events: list[dict[str, Any]]) -> dict[str, 
             "exposure": exposure}
 
 
+def arm_name(gated: bool, on_reject: str) -> str:
+    return f"gate-{on_reject}" if gated else "nogate"
+
+
 def run_gate_demo(cfg: ClawRayConfig, out: Path, seeds: list[int],
                   scenarios: tuple[str, ...] = SCENARIOS,
-                  arms: tuple[bool, ...] = (False, True), **kwargs: Any) -> int:
+                  arms: tuple[bool, ...] = (False, True), on_reject: str = ON_REJECT,
+                  **kwargs: Any) -> int:
     """Every scenario with (and without) the gate for every seed, then gate.json, gate.png."""
-    summaries = [run_once(cfg, out / f"{sc}-{'gate' if g else 'nogate'}-seed{seed}", seed=seed,
-                          scenario=sc, gated=g, **kwargs)
+    summaries = [run_once(cfg, out / f"{sc}-{arm_name(g, on_reject)}-seed{seed}", seed=seed,
+                          scenario=sc, gated=g, on_reject=on_reject, **kwargs)
                  for seed in seeds for sc in scenarios for g in arms]
     agg = aggregate(summaries)
     (out / "gate.json").write_text(json.dumps({"aggregate": agg, "runs": summaries}, indent=2,
@@ -201,11 +214,13 @@ def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
                 "stderr": float(a.std(ddof=1) / np.sqrt(len(a))) if len(a) > 1 else None}
 
     out = {}
+    arms = sorted({(s["gated"], s.get("on_reject")) for s in summaries}, key=str)
     for sc in SCENARIOS:
-        for g in (False, True):
-            runs = [s for s in summaries if s["scenario"] == sc and s["gated"] == g]
+        for g, how in arms:
+            runs = [s for s in summaries if s["scenario"] == sc and s["gated"] == g
+                    and s.get("on_reject") == how]
             if runs:
-                out[f"{sc}, {'gate' if g else 'no gate'}"] = {
+                out[f"{sc}, " + (f"gate ({how})" if g else "no gate")] = {
                     "seeds": [s["seed"] for s in runs],
                     "before": stat([s["before"] for s in runs]),
                     "after": stat([s["after"] for s in runs]),
@@ -215,27 +230,50 @@ def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def curve_of(summary: dict[str, Any], grid: list[int]) -> list[float | None]:
+    """The live satisfaction of the version serving everyone, at each number of rows trained in
+    ``grid`` (the version serving at the last step at or before it; None before the first)."""
+    live = summary["live_by_version"]
+    out: list[float | None] = []
+    for x in grid:
+        at = [p for p in summary["curve"] if p["rows_trained"] <= x]
+        v = at[-1]["serving"] if at else 0
+        out.append(live.get(str(v), {}).get("rate"))
+    return out
+
+
 def plot(summaries: list[dict[str, Any]], path: Path) -> None:
     """Per scenario: the live satisfaction of the version serving everyone against rows
-    trained, with and without the gate."""
+    trained, per arm the mean over seeds with its standard error (seeds faint)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
+    budget = max((s["budget"] for s in summaries), default=BUDGET)
+    grid = list(range(0, budget + 1, 32))
+    colors = {"nogate": "tab:red", "gate-restart": "tab:green", "gate-keep_line": "tab:blue"}
     fig, axes = plt.subplots(1, len(SCENARIOS), figsize=(12, 4.5), squeeze=False)
     for ax, sc in zip(axes[0], SCENARIOS):
-        for s in (x for x in summaries if x["scenario"] == sc):
-            live = s["live_by_version"]
-            xs = [p["rows_trained"] for p in s["curve"]]
-            ys = [live.get(str(p["serving"]), {}).get("rate") for p in s["curve"]]
-            pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
-            if pts:
-                ax.plot(*zip(*pts), "-" if s["gated"] else "--",
-                        color="tab:green" if s["gated"] else "tab:red", alpha=0.7,
-                        label=f"{'gate' if s['gated'] else 'no gate'}, seed {s['seed']}")
-        ax.set(title=f"{sc} judge", xlabel="rows trained",
-               ylabel="users satisfied by the version serving everyone", ylim=(0, 1))
+        arms = sorted({arm_name(s["gated"], s.get("on_reject") or ON_REJECT)
+                       for s in summaries if s["scenario"] == sc})
+        for arm in arms:
+            runs = [s for s in summaries if s["scenario"] == sc
+                    and arm_name(s["gated"], s.get("on_reject") or ON_REJECT) == arm]
+            ys = np.array([[np.nan if y is None else y for y in curve_of(s, grid)]
+                           for s in runs], dtype=float)
+            color = colors.get(arm, "tab:gray")
+            for row in ys:
+                ax.plot(grid, row, color=color, alpha=0.2, lw=0.8)
+            n = np.sum(~np.isnan(ys), axis=0)
+            mean = np.nanmean(np.where(n > 0, ys, 0.0), axis=0)
+            se = np.where(n > 1, np.nanstd(ys, axis=0, ddof=1) / np.sqrt(np.maximum(n, 1)), 0.0)
+            ax.plot(grid, mean, color=color, lw=2, label=f"{arm} (mean of {len(runs)} seeds "
+                    "± s.e.)")
+            ax.fill_between(grid, mean - se, mean + se, color=color, alpha=0.15)
+        ax.set(title=f"{sc} run", xlabel="rows trained",
+               ylabel="live users satisfied by the version serving everyone", ylim=(0, 1))
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -236,7 +236,7 @@ class PolicyGate:
             self._file(v).unlink(missing_ok=True)
             await self.control.delete_adapter.remote(adapter_name(v))
             self.core.dropped([v])
-        for v in sorted(self.core.abandoned):
+        for v in sorted(self.core.abandoned | self.core.rejected):
             if self._file(v).exists():
                 self._file(v).unlink()
                 await self.control.delete_adapter.remote(adapter_name(v))

@@ -15,10 +15,18 @@ until the candidate passes:
    rate): promote when the candidate is non-inferior (its mean reward minus the incumbent's,
    lower confidence bound, above ``-canary_margin``), roll back when it is significantly worse
    (upper bound below 0); after ``canary_looks`` undecided looks, roll back.
-3. **promote / reject / roll back**: a promoted candidate becomes the incumbent. A rejected or
-   rolled-back candidate is abandoned, with every version published after it (they descend
-   from it): ``line`` counts abandonments, and the trainer, seeing it change, restarts from the
-   incumbent's weights and drops rows the abandoned versions sampled (``abandoned``).
+3. **promote / reject / roll back**: a promoted candidate becomes the incumbent. What a
+   rejection or rollback does to training is ``on_reject``:
+
+   - ``restart``: the candidate is abandoned, with every version published after it (they
+     descend from it): ``line`` counts abandonments, and the trainer, seeing it change,
+     restarts from the incumbent's weights and drops rows the abandoned versions sampled
+     (``abandoned``);
+   - ``keep_line``: only the candidate is set aside (``rejected``: never served again); the
+     trainer's line goes on, with its rows, and the next version it publishes (the queued one
+     first) becomes the next candidate. The gate then guards serving only.
+
+   An operator's rollback or pin always abandons the line (restart).
 
 While a candidate is pending the trainer keeps training its line; the versions it publishes
 meanwhile wait (only the newest: ``queued``) and become the next candidate once this one is
@@ -68,6 +76,7 @@ class GateSettings:
     canary_looks: int = 5
     canary_alpha: float = 0.05
     canary_margin: float = 0.1
+    on_reject: str = "restart"  # "restart": abandon the line | "keep_line": gate serving only
 
     @classmethod
     def of(cls, cfg: Any) -> "GateSettings":
@@ -115,6 +124,7 @@ class GateCore:
     line: int = 0  # abandonments so far (the trainer restarts from the incumbent on a change)
     kept: list[int] = field(default_factory=list)  # published versions kept, oldest first
     abandoned: set[int] = field(default_factory=set)
+    rejected: set[int] = field(default_factory=set)  # keep_line: set aside, line kept
     published: int = BASE  # the newest version the trainer published
     look: int = 0  # canary tests run so far
     canary_started: float | None = None
@@ -301,7 +311,18 @@ class GateCore:
         return ev
 
     def _abandon(self, version: int, what: str, reason: str, **extra: Any) -> dict[str, Any]:
-        """Reject (``what``: rejected | rolled_back) the candidate and every version after it."""
+        """Reject (``what``: rejected | rolled_back) the candidate and every version after it
+        (``on_reject="restart"``), or the candidate alone (``"keep_line"``: the queued version
+        is the next candidate)."""
+        if self.settings.on_reject == "keep_line":
+            self.rejected.add(version)
+            self.kept = [v for v in self.kept if v != version]
+            queued, self.candidate, self.phase, self.queued = self.queued, None, None, None
+            ev = self._event(what, version, reason=reason, abandoned=[], rejected=[version],
+                             incumbent=self.incumbent, line=self.line, **extra)
+            if queued is not None:
+                self._start(queued)
+            return ev
         gone = sorted(v for v in self.kept if v >= version and v != self.incumbent)
         self.abandoned.update(gone)
         self.kept = [v for v in self.kept if v not in self.abandoned]
@@ -374,7 +395,8 @@ class GateCore:
         return {"incumbent": self.incumbent, "candidate": self.candidate, "phase": self.phase,
                 "queued": self.queued, "pinned": self.pinned, "line": self.line,
                 "kept": list(self.kept), "abandoned": sorted(self.abandoned),
-                "published": self.published,
+                "rejected": sorted(self.rejected), "published": self.published,
+                "on_reject": self.settings.on_reject,
                 "canary": self.canary_stats() if self.phase == "canary" else None,
                 "evidence": {v: self.evidence.get(v) for v in
                              (self.candidate, self.incumbent) if v in self.evidence},
@@ -394,7 +416,7 @@ class GateCore:
         return {"incumbent": self.incumbent, "candidate": self.candidate, "phase": self.phase,
                 "queued": self.queued, "pinned": self.pinned, "line": self.line,
                 "kept": self.kept, "abandoned": sorted(self.abandoned),
-                "published": self.published, "look": self.look, "event_seq": self.event_seq,
+                "rejected": sorted(self.rejected), "published": self.published, "look": self.look, "event_seq": self.event_seq,
                 "reference_readable": self.reference_readable,
                 "reference_score": self.reference_score, "canary_started": self.canary_started,
                 "arms": {k: a.to_dict() for k, a in self.arms.items()},
@@ -408,6 +430,7 @@ class GateCore:
                   "published", "look", "event_seq", "canary_started"):
             setattr(core, k, d[k])
         core.abandoned = set(d["abandoned"])
+        core.rejected = set(d.get("rejected", ()))
         core.reference_readable = d.get("reference_readable")
         core.reference_score = d.get("reference_score")
         core.arms = {k: Arm(**a) for k, a in d["arms"].items()}

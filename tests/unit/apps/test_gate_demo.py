@@ -58,5 +58,41 @@ def test_turns_are_attributed_to_abandoned_versions_with_their_exposure():
     out = turns_by_version(Pool(), events)
     assert out["live_turns"] == 65 and out["turns_by_abandoned"] == 15
     assert out["abandoned"] == [1, 2]
-    assert [(e["version"], e["how"], e["seconds"]) for e in out["exposure"]] == [
-        (1, "rolled_back", 28.0), (2, "rejected", 9.0)]
+    assert [(e["version"], e["how"], e["from_publication_s"], e["from_canary_s"])
+            for e in out["exposure"]] == [(1, "rolled_back", 30.0, 28.0),
+                                          (2, "rejected", 9.0, None)]
+
+
+def test_keep_line_rejections_count_and_publication_time_includes_the_queue():
+    class Pool:
+        def rate_by_version(self):
+            return {0: (0.6, 50), 1: (0.2, 10), 2: (0.5, 5), 3: (0.7, 20)}
+
+    events = [{"event": "candidate", "version": 1, "t": 10.0},
+              {"event": "queued", "version": 2, "t": 11.0},
+              {"event": "canary", "version": 1, "t": 12.0},
+              {"event": "rolled_back", "version": 1, "t": 40.0, "abandoned": [],
+               "rejected": [1], "reason": "canary: worse"},
+              {"event": "candidate", "version": 2, "t": 40.0},
+              {"event": "canary", "version": 2, "t": 42.0},
+              {"event": "promoted", "version": 2, "t": 60.0}]
+    out = turns_by_version(Pool(), events)
+    assert out["abandoned"] == [1] and out["turns_by_abandoned"] == 10
+    assert out["exposure"][0]["from_publication_s"] == 30.0
+
+
+def test_the_learning_curve_follows_the_version_serving_everyone():
+    from clawray.apps.gate_demo import curve_of
+
+    run = {"live_by_version": {"0": {"rate": 0.4, "turns": 9}, "3": {"rate": 0.8, "turns": 9}},
+           "curve": [{"rows_trained": 32, "serving": 0}, {"rows_trained": 64, "serving": 3},
+                     {"rows_trained": 96, "serving": 5}]}  # 5: no live turns measured
+    assert curve_of(run, [0, 32, 63, 64, 96]) == [0.4, 0.4, 0.4, 0.8, None]
+
+
+def test_the_keep_line_arm_differs_only_in_on_reject(tmp_path):
+    a, b = (gate_demo_config(ClawRayConfig(), tmp_path, 0, "healthy", True, ["k"], how)
+            .validate().to_dict() for how in ("restart", "keep_line"))
+    assert a["gate"]["on_reject"] == "restart" and b["gate"]["on_reject"] == "keep_line"
+    b["gate"]["on_reject"] = "restart"
+    assert a == b

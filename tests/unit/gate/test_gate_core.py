@@ -247,3 +247,41 @@ def test_versions_must_increase():
     g.propose(3)
     with pytest.raises(ValueError, match="not newer"):
         g.propose(3)
+
+
+def test_keep_line_sets_the_rejected_candidate_aside_and_the_line_goes_on():
+    g = gate(on_reject="keep_line", canary_min_turns=20)
+    assert g.propose(1)["event"] == "candidate"
+    assert g.propose(2)["event"] == "queued"
+    gibberish = health(['",",",",",",",",",",'] * 10, [12] * 10)
+    ev = g.shadow_report(1, [0.0] * 10, [0.0] * 10, gibberish, OK_HEALTH)
+    assert ev["event"] == "rejected" and ev["rejected"] == [1] and ev["abandoned"] == []
+    # the trainer's line is unchanged (no restart, its rows kept); 2 is the next candidate
+    assert g.line == 0 and g.abandoned == set() and g.rejected == {1}
+    assert g.candidate == 2 and g.phase == "shadow" and g.kept == [2]
+    g.shadow_report(2, [1.0] * 10, [1.0] * 10, OK_HEALTH, OK_HEALTH)
+    g.propose(3)  # queued behind 2's canary
+    for _ in range(20):
+        g.observe(BASE, 1.0)
+        g.observe(BASE, 0.0)
+    evs = [g.observe(2, -1.0) for _ in range(20)]
+    assert evs[-1]["event"] == "rolled_back" and g.line == 0 and g.rejected == {1, 2}
+    assert g.incumbent == BASE and g.candidate == 3 and g.route("anyone") == BASE
+    assert g.propose(4, line=0)["event"] == "queued"  # the same line: not discarded
+    # an operator's rollback abandons the line even so
+    g.rollback(BASE)
+    assert g.line == 1 and g.abandoned == {3, 4}
+    restored = GateCore.from_dict(g.to_dict(), g.settings)
+    assert restored.rejected == {1, 2} and restored.abandoned == {3, 4}
+
+
+def test_restart_is_the_default_and_keep_line_is_validated():
+    from pydantic import ValidationError
+
+    from clawray.config import GateConfig
+
+    assert GateConfig().on_reject == "restart" and GateSettings.of(GateConfig()).on_reject \
+        == "restart"
+    assert GateSettings.of(GateConfig(on_reject="keep_line")).on_reject == "keep_line"
+    with pytest.raises(ValidationError, match="on_reject"):
+        GateConfig(on_reject="retrain")

@@ -464,6 +464,17 @@ class GateConfig(_Section):
         0.1, ge=0, description="Non-inferiority margin on the mean judge reward: promote when "
         "the candidate is not worse than the incumbent by this much; roll back when it is "
         "significantly worse.")
+    canary_max_error_increase: float = Field(
+        0.02, ge=0, le=1, description="Canary guard: roll back when the candidate's share of "
+        "requests failing with a server error exceeds the incumbent's by more than this, "
+        "significantly (replicas report it).")
+    canary_max_latency_ratio: float = Field(
+        1.5, ge=1, description="Canary guard: roll back when the candidate's seconds per "
+        "generated token exceed this multiple of the incumbent's, significantly.")
+    canary_max_regenerate_increase: float = Field(
+        0.05, ge=0, le=1, description="Canary guard: roll back when the share of the "
+        "candidate's turns that users regenerated (or edited) exceeds the incumbent's by more "
+        "than this, significantly.")
     on_reject: Literal["restart", "keep_line"] = Field(
         "restart", description="What a rejected or rolled-back candidate does to training: "
         "'restart' abandons its line (it and every later version; the trainer restarts from "

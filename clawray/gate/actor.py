@@ -34,7 +34,7 @@ import ray
 
 from clawray.config import GateConfig
 from clawray.files import write_atomic
-from clawray.gate.core import BASE, GateCore, GateSettings, adapter_name
+from clawray.gate.core import BASE, GateCore, GateSettings, adapter_name, merge_serving
 from clawray.gate.health import health
 from clawray.weights.control import NAMESPACE, check_payload_box, start_app_control
 
@@ -142,15 +142,31 @@ class PolicyGate:
             await self._after()
         return ev
 
-    async def observe(self, observations: list[tuple[int, float, float | None]]
-                      ) -> list[dict[str, Any]]:
-        """Judged turns ``(version, reward, served_at)``; the decisions they caused."""
+    async def observe(self, observations: list[tuple]) -> list[dict[str, Any]]:
+        """Judged turns ``(version, reward, served_at[, status])`` (status: judged | feedback |
+        regenerated); the decisions they caused, the replicas' serving signals first."""
+        events = [ev] if (ev := await self._serving_round()) is not None else []
         async with self._lock:
-            events = [ev for v, r, at in observations
-                      if (ev := self.core.observe(int(v), float(r), at)) is not None]
+            events += [ev for v, r, at, *st in observations
+                       if (ev := self.core.observe(int(v), float(r), at, *st)) is not None]
             if events:
                 await self._after()
         return events
+
+    async def _serving_round(self) -> dict[str, Any] | None:
+        """During a canary: the replicas' serving signals (errors, latency per side) to the
+        rules, which may roll the candidate back."""
+        if self.core.phase != "canary":
+            return None
+        salt = self.core.salt
+        reports = await self.control.serving_reports.remote()
+        async with self._lock:
+            if self.core.phase != "canary" or self.core.salt != salt:  # decided meanwhile
+                return None
+            ev = self.core.serving_report(merge_serving(reports, salt))
+            if ev is not None:
+                await self._after()
+        return ev
 
     def line(self) -> dict[str, Any]:
         """What the trainer follows: ``line`` changes when a candidate was abandoned (restart
@@ -314,6 +330,7 @@ class PolicyGate:
         while True:
             await asyncio.sleep(HEAL_S)
             try:
+                await self._serving_round()
                 status = await self.control.status.remote()
                 routing = self.core.routing()
                 if status.get("routing") != routing:

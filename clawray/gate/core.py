@@ -60,6 +60,58 @@ def canary_bucket(session_key: str, salt: str) -> float:
     return int.from_bytes(h[:8], "big") / 2 ** 64
 
 
+SIDES = ("candidate", "incumbent")
+SERVING_FIELDS = ("requests", "errors", "timed", "s_per_token", "s_per_token_sq")
+
+
+class ServingTally:
+    """A replica's serving signals during canaries: per canary (its salt) and side, requests,
+    server errors (5xx) and seconds per generated token of each finished request (sum and sum
+    of squares). Cumulative: the replica reports its whole tally, the control actor keeps the
+    newest per replica and sums over replicas (``merge_serving``), so a lost or repeated report
+    changes nothing."""
+
+    KEPT = 4  # canaries kept (the newest)
+
+    def __init__(self) -> None:
+        self.by_salt: dict[str, dict[str, dict[str, float]]] = {}
+        self.changes = 0
+
+    def add(self, salt: str, side: str, *, error: bool = False, seconds: float | None = None,
+            tokens: int = 0) -> None:
+        if not salt or side not in SIDES:
+            return
+        if salt not in self.by_salt:
+            self.by_salt[salt] = {sd: dict.fromkeys(SERVING_FIELDS, 0.0) for sd in SIDES}
+            for old in list(self.by_salt)[:-self.KEPT]:
+                del self.by_salt[old]
+        t = self.by_salt[salt][side]
+        t["requests"] += 1
+        if error:
+            t["errors"] += 1
+        elif seconds is not None and tokens > 0:
+            per = seconds / tokens
+            t["timed"] += 1
+            t["s_per_token"] += per
+            t["s_per_token_sq"] += per * per
+        self.changes += 1
+
+    def snapshot(self) -> dict[str, dict[str, dict[str, float]]]:
+        return {salt: {sd: dict(t) for sd, t in sides.items()}
+                for salt, sides in self.by_salt.items()}
+
+
+def merge_serving(reports: list[dict[str, Any]], salt: str) -> dict[str, dict[str, float]]:
+    """One canary's serving signals summed over replicas' tallies (``ServingTally.snapshot``)."""
+    out = {sd: dict.fromkeys(SERVING_FIELDS, 0.0) for sd in SIDES}
+    for rep in reports:
+        for sd, t in (rep.get(salt) or {}).items():
+            if sd in out:
+                for k in SERVING_FIELDS:
+                    out[sd][k] += float(t.get(k, 0.0))
+    return out
+
+
 @dataclass
 class GateSettings:
     """The thresholds of ``GateConfig`` the rules use (plain values, no pydantic)."""
@@ -76,6 +128,9 @@ class GateSettings:
     canary_looks: int = 5
     canary_alpha: float = 0.05
     canary_margin: float = 0.1
+    canary_max_error_increase: float = 0.02
+    canary_max_latency_ratio: float = 1.5
+    canary_max_regenerate_increase: float = 0.05
     on_reject: str = "restart"  # "restart": abandon the line | "keep_line": gate serving only
 
     @classmethod
@@ -90,11 +145,19 @@ class Arm:
     n: int = 0
     total: float = 0.0
     total_sq: float = 0.0
+    regenerated: int = 0  # turns the user regenerated (or edited)
+    feedback: int = 0  # turns with the user's own rating
+    feedback_total: float = 0.0
 
-    def add(self, reward: float) -> None:
+    def add(self, reward: float, status: str = "judged") -> None:
         self.n += 1
         self.total += reward
         self.total_sq += reward * reward
+        if status == "regenerated":
+            self.regenerated += 1
+        elif status == "feedback":
+            self.feedback += 1
+            self.feedback_total += reward
 
     @property
     def mean(self) -> float:
@@ -107,7 +170,9 @@ class Arm:
         return max(0.0, (self.total_sq - self.total ** 2 / self.n) / (self.n - 1))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"n": self.n, "total": self.total, "total_sq": self.total_sq}
+        return {"n": self.n, "total": self.total, "total_sq": self.total_sq,
+                "regenerated": self.regenerated, "feedback": self.feedback,
+                "feedback_total": self.feedback_total}
 
 
 @dataclass
@@ -130,6 +195,8 @@ class GateCore:
     canary_started: float | None = None
     arms: dict[str, Arm] = field(default_factory=lambda: {"candidate": Arm(),
                                                           "incumbent": Arm()})
+    # the replicas' serving signals of the running canary (``merge_serving``)
+    serving: dict[str, dict[str, float]] = field(default_factory=dict)
     evidence: dict[int, dict[str, Any]] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
     event_seq: int = 0  # events so far (each event's "seq")
@@ -167,6 +234,7 @@ class GateCore:
         self.candidate, self.phase, self.queued = version, "shadow", None
         self.look, self.canary_started = 0, None
         self.arms = {"candidate": Arm(), "incumbent": Arm()}
+        self.serving = {}
         return self._event("candidate", version, incumbent=self.incumbent)
 
     # ---- shadow evaluation -------------------------------------------------------------------
@@ -246,10 +314,12 @@ class GateCore:
     def salt(self) -> str:
         return f"canary-v{self.candidate}"
 
-    def observe(self, version: int, reward: float, served_at: float | None = None
-                ) -> dict[str, Any] | None:
+    def observe(self, version: int, reward: float, served_at: float | None = None,
+                status: str = "judged") -> dict[str, Any] | None:
         """A judged turn (its reward) that ``version`` served at ``served_at``: counted when it
-        is the candidate's or the incumbent's during the canary; may decide the canary."""
+        is the candidate's or the incumbent's during the canary; may decide the canary.
+        ``status``: judged | feedback (the user's own rating) | regenerated (the user asked
+        again: its reward is the regenerate rule's)."""
         if self.phase != "canary" or not math.isfinite(reward):
             return None
         if served_at is not None and self.canary_started is not None \
@@ -259,15 +329,67 @@ class GateCore:
                 else "incumbent" if version == self.incumbent else None)
         if side is None:
             return None
-        self.arms[side].add(float(reward))
+        self.arms[side].add(float(reward), status)
         return self._canary_test()
+
+    def serving_report(self, stats: dict[str, dict[str, float]]) -> dict[str, Any] | None:
+        """The replicas' serving signals of the running canary (``merge_serving`` of their
+        tallies for ``salt``): rolls the candidate back when a guard fails."""
+        if self.phase != "canary" or self.candidate is None:
+            return None
+        self.serving = stats
+        problems = self.guard_problems()
+        if not problems:
+            return None
+        st = self.canary_stats()
+        self.evidence.setdefault(self.candidate, {})["canary"] = st
+        return self._abandon(self.candidate, "rolled_back", "canary: " + "; ".join(problems),
+                             evidence=st)
+
+    def guard_problems(self) -> list[str]:
+        """The canary's guards beside the reward: the candidate's server-error rate, seconds
+        per generated token and regenerate rate, each against the incumbent's over the same
+        period; a guard fails when the candidate is worse beyond its allowance and
+        significantly (one-sided, at ``canary_alpha / canary_looks``), with at least
+        ``canary_min_turns`` on each side. Guards are checked at every report, without a
+        correction for it: they err toward rolling back."""
+        s = self.settings
+        z = NormalDist().inv_cdf(1 - s.canary_alpha / s.canary_looks)
+        problems = []
+        c, i = self.serving.get("candidate"), self.serving.get("incumbent")
+        if c and i and min(c["requests"], i["requests"]) >= s.canary_min_turns:
+            d, lo = _proportion_gap(c["errors"], c["requests"], i["errors"], i["requests"], z)
+            if d > s.canary_max_error_increase and lo > 0:
+                problems.append(f"server errors {c['errors'] / c['requests']:.1%} against "
+                                f"{i['errors'] / i['requests']:.1%} (higher by {d:.1%} > "
+                                f"{s.canary_max_error_increase:.1%}, significant)")
+        if c and i and min(c["timed"], i["timed"]) >= s.canary_min_turns:
+            mc, vc = _mean_var(c["s_per_token"], c["s_per_token_sq"], c["timed"])
+            mi, vi = _mean_var(i["s_per_token"], i["s_per_token_sq"], i["timed"])
+            se = math.sqrt(vc / c["timed"] + vi / i["timed"])
+            if mi > 0 and mc / mi > s.canary_max_latency_ratio and mc - mi - z * se > 0:
+                problems.append(f"latency {mc * 1e3:.1f} ms per token against "
+                                f"{mi * 1e3:.1f} ({mc / mi:.2f}x > "
+                                f"{s.canary_max_latency_ratio:g}x, significant)")
+        a, b = self.arms["candidate"], self.arms["incumbent"]
+        if min(a.n, b.n) >= s.canary_min_turns:
+            d, lo = _proportion_gap(a.regenerated, a.n, b.regenerated, b.n, z)
+            if d > s.canary_max_regenerate_increase and lo > 0:
+                problems.append(f"regenerated {a.regenerated / a.n:.1%} of turns against "
+                                f"{b.regenerated / b.n:.1%} (higher by {d:.1%} > "
+                                f"{s.canary_max_regenerate_increase:.1%}, significant)")
+        return problems
 
     def canary_stats(self) -> dict[str, Any]:
         c, i = self.arms["candidate"], self.arms["incumbent"]
         s = self.settings
-        out: dict[str, Any] = {"candidate": {"n": c.n, "mean": c.mean},
-                               "incumbent": {"n": i.n, "mean": i.mean}, "look": self.look,
-                               "looks": s.canary_looks, "margin": s.canary_margin}
+        out: dict[str, Any] = {
+            side: {"n": a.n, "mean": a.mean, "regenerated": a.regenerated,
+                   "feedback": a.feedback,
+                   "feedback_mean": a.feedback_total / a.feedback if a.feedback else None,
+                   **({"serving": self.serving[side]} if side in self.serving else {})}
+            for side, a in (("candidate", c), ("incumbent", i))}
+        out.update(look=self.look, looks=s.canary_looks, margin=s.canary_margin)
         if c.n >= 2 and i.n >= 2:
             d = c.mean - i.mean
             se = math.sqrt(c.var / c.n + i.var / i.n)
@@ -285,6 +407,10 @@ class GateCore:
         self.evidence.setdefault(self.candidate, {})["canary"] = st
         version = self.candidate
         assert version is not None
+        problems = self.guard_problems()
+        if problems:
+            return self._abandon(version, "rolled_back", f"canary: at look {self.look}: "
+                                 + "; ".join(problems), evidence=st)
         if st["lower"] > -s.canary_margin:
             return self._promote(version, f"canary: non-inferior at look {self.look} (reward "
                                  f"{c.mean:+.3f} vs {i.mean:+.3f}, lower bound of the "
@@ -419,6 +545,7 @@ class GateCore:
                 "rejected": sorted(self.rejected), "published": self.published, "look": self.look, "event_seq": self.event_seq,
                 "reference_readable": self.reference_readable,
                 "reference_score": self.reference_score, "canary_started": self.canary_started,
+                "serving": self.serving,
                 "arms": {k: a.to_dict() for k, a in self.arms.items()},
                 "evidence": {str(k): v for k, v in self.evidence.items()}}
 
@@ -434,5 +561,20 @@ class GateCore:
         core.reference_readable = d.get("reference_readable")
         core.reference_score = d.get("reference_score")
         core.arms = {k: Arm(**a) for k, a in d["arms"].items()}
+        core.serving = d.get("serving") or {}
         core.evidence = {int(k): v for k, v in d["evidence"].items()}
         return core
+
+
+def _mean_var(total: float, total_sq: float, n: float) -> tuple[float, float]:
+    mean = total / n
+    return mean, max(0.0, (total_sq - total * total / n) / (n - 1)) if n > 1 else 0.0
+
+
+def _proportion_gap(x1: float, n1: float, x2: float, n2: float, z: float
+                    ) -> tuple[float, float]:
+    """The difference of two rates (first minus second) and its lower confidence bound
+    (pooled standard error, normal approximation)."""
+    d = x1 / n1 - x2 / n2
+    p = (x1 + x2) / (n1 + n2)
+    return d, d - z * math.sqrt(p * (1 - p) * (1 / n1 + 1 / n2))

@@ -18,7 +18,7 @@ import uuid
 from typing import Any, AsyncIterator, Callable, Mapping, Protocol
 
 from clawray.config import ServingConfig
-from clawray.gate.core import canary_bucket
+from clawray.gate.core import ServingTally, canary_bucket
 from clawray.inference.engine import (
     EngineError,
     EngineInternalError,
@@ -92,6 +92,7 @@ class PreparedTurn:
     client_stops: tuple[str, ...] = ()  # the client's stop strings (params.stop may add ours)
     reasoning: bool = False  # split <think>…</think> off the content
     starts_in_reasoning: bool = False  # the prompt ended inside an open <think>
+    gate_side: tuple[str, str] | None = None  # (canary salt, side) while a canary runs
 
 
 def _base_params(params: SamplingParams) -> SamplingParams:
@@ -109,9 +110,11 @@ class ChatService:
         cfg: ServingConfig,
         sink: RecordSink,
         routing: Callable[[], dict[str, Any] | None] | None = None,
+        tally: ServingTally | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.routing = routing  # the policy gate's routing table, as the replica mirrors it
+        self.tally = tally  # the gate's serving signals per canary side (errors, latency)
         self.policy = policy
         self.served_model = served_model
         self.max_model_len = max_model_len
@@ -204,6 +207,7 @@ class ChatService:
             logprobs=req.logprobs,
             reasoning=self.reasoning and req.prompt_ids is None,
             starts_in_reasoning=self.reasoning and in_think,
+            gate_side=self._gate_side(adapter),
         )
 
     def _raw_prompt(self, ids: list[int]) -> list[int]:
@@ -241,8 +245,13 @@ class ChatService:
     # ---------------------------------------------------------------- whole answers
     async def run(self, turn: PreparedTurn) -> TurnResult:
         """Generate every choice of ``turn``, record each, and return them parsed."""
-        outputs = await self._engine_call(self.policy.generate(
-            turn.prompt_ids, turn.params, session_key=turn.meta.key))
+        try:
+            outputs = await self._engine_call(self.policy.generate(
+                turn.prompt_ids, turn.params, session_key=turn.meta.key))
+        except APIError as e:
+            self._tally(turn, error=e.status >= 500)
+            raise
+        self._tally(turn, tokens=sum(len(o.token_ids) for o in outputs))
         choices, completion_tokens = [], 0
         for out in sorted(outputs, key=lambda o: o.index):
             text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
@@ -303,7 +312,11 @@ class ChatService:
                     self._record(turn, delta.index, st.ids, st.logprobs, st.finish_reason,
                                  st.version_start, st.version_end, st.content or None, st.calls,
                                  st.versions)
+            self._tally(turn, tokens=completion_tokens)
             yield StreamUsage(Usage(len(turn.prompt_ids), completion_tokens, cached))
+        except APIError as e:
+            self._tally(turn, error=e.status >= 500)
+            raise
         finally:
             await _aclose(deltas)
             await _aclose(source)
@@ -311,6 +324,21 @@ class ChatService:
                 if st.finish_reason is None and st.ids:  # client went away mid-generation
                     self._record(turn, i, st.ids, st.logprobs, "abort", st.version_start,
                                  st.version_end, st.content or None, st.calls, st.versions)
+
+    def _gate_side(self, adapter: str | None) -> tuple[str, str] | None:
+        """While a canary runs: its salt and the side ``adapter`` serves (the candidate, or
+        the incumbent to everyone else), for the gate's serving signals."""
+        r = self.routing() if self.routing is not None else None
+        if not r or not r.get("candidate_adapter"):
+            return None
+        return r["salt"], "candidate" if adapter == r["candidate_adapter"] else "incumbent"
+
+    def _tally(self, turn: PreparedTurn, *, error: bool = False, tokens: int = 0) -> None:
+        """Count a finished request (or one that failed) toward its canary side."""
+        if self.tally is not None and turn.gate_side is not None:
+            salt, side = turn.gate_side
+            self.tally.add(salt, side, error=error, tokens=tokens,
+                           seconds=time.time() - turn.started_at)
 
     async def _engine_call(self, coro: Any) -> Any:
         try:

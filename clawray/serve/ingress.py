@@ -23,6 +23,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clawray.config import ClawRayConfig
+from clawray.gate.core import ServingTally
 from clawray.inference.engine import SamplingParams, TokenOutput
 from clawray.models.loader import load_tokenizer, policy_model_info
 from clawray.records import GatedSink, RecordSink, TeeSink, make_sink, session_key
@@ -109,8 +110,13 @@ class IngressCore:
                 sinks.append(make_sink(kind, s.records_path, s.records_system_prompt))
         self.sink = sinks[0] if len(sinks) == 1 else TeeSink(sinks)
         self.responses_store = start_response_store(app_name, s.responses_kept)
+        # The policy gate's serving signals (errors, latency per canary side), reported to
+        # the control actor by the receiver.
+        self.serving_tally = ServingTally()
+        if self.receiver is not None:
+            self.receiver.serving_tally = self.serving_tally
         self.service = ChatService(load_tokenizer(info.path), policy, info.name, max_len, s,
-                                   self.sink, routing=self.routing)
+                                   self.sink, routing=self.routing, tally=self.serving_tally)
         self.started = int(time.time())
         # Lets a launcher tell this app's replicas from another cluster's on a probed port.
         self.instance_id = uuid.uuid4().hex[:16]

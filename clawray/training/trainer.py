@@ -436,15 +436,16 @@ class Trainer(tune.Trainable):
         return {"gate_restarted_from": head}
 
     def _gate_observe(self, table: pa.Table) -> dict[str, Any]:
-        """Report the batch's judged turns (reward, the version that served them, when) for
-        the canary; one per turn, rows trained already skipped."""
+        """Report the batch's judged turns (the version that served them, reward, when, and
+        whether judged, rated by the user or regenerated) for the canary; one per turn, rows
+        trained already skipped."""
         cols = {c: table.column(c).to_pylist() for c in
                 ("sample_id", "kind", "judge_status", "policy_version", "reward", "created_at")}
-        seen: dict[str, tuple[int, float, float | None]] = {}
+        seen: dict[str, tuple[int, float, float | None, str]] = {}
         for sid, kind, status, version, reward, at in zip(*cols.values()):
-            if kind in ("rl", "combine") and status in ("judged", "feedback") \
+            if kind in ("rl", "combine") and status in ("judged", "feedback", "regenerated") \
                     and sid not in self.trained:
-                seen.setdefault(sid.rsplit("/", 1)[0], (int(version), float(reward), at))
+                seen.setdefault(sid.rsplit("/", 1)[0], (int(version), float(reward), at, status))
         if not seen:
             return {}
         events = ray.get(self.gate.observe.remote(list(seen.values())))

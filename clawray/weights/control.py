@@ -57,6 +57,7 @@ class AppControl:
         self.published_at: float | None = None
         self.collecting = True
         self.replicas: dict[str, dict[str, Any]] = {}
+        self.serving: dict[str, dict[str, Any]] = {}  # replica id -> its serving tally
         self._state_event = asyncio.Event()  # set (and replaced) on a new version or switch
         self._replica_event = asyncio.Event()  # set (and replaced) on any replica update
         # Per-user adapters (per-user policies): user -> {"version", "box", "seq"}; a deleted
@@ -275,6 +276,16 @@ class AppControl:
             adapters.pop(user, None)
         else:
             adapters[user] = version
+
+    def report_serving(self, replica_id: str, tally: dict[str, Any]) -> None:
+        """A replica's serving signals during the gate's canaries (its whole cumulative
+        ``ServingTally.snapshot``: the newest report per replica counts). Kept when the replica
+        goes away: what it served still happened."""
+        self.serving[replica_id] = tally
+
+    def serving_reports(self) -> list[dict[str, Any]]:
+        """Every replica's newest serving tally (the gate sums one canary's: merge_serving)."""
+        return list(self.serving.values())
 
     def deregister(self, replica_id: str) -> None:
         if self.replicas.pop(replica_id, None) is not None:

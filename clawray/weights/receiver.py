@@ -17,6 +17,7 @@ from clawray.weights.control import POLL_S, start_app_control
 from clawray.weights.sync import make_weight_sync
 
 logger = logging.getLogger(__name__)
+REPORT_S = 1.0  # serving tallies (the policy gate's canary signals) at most this often
 
 
 def serve_replica_id() -> tuple[str, str] | None:
@@ -65,17 +66,25 @@ class WeightReceiver:
         self._routing_known: tuple[str, int] = ("", 0)
         self._control: Any = None
         self._task: asyncio.Task | None = None
+        # The gate's serving signals counted by this replica's ingress (``ServingTally``: a
+        # ``changes`` counter and a ``snapshot()``), reported every ``REPORT_S`` when changed.
+        self.serving_tally: Any = None
+        self._serving_sent = 0
+        self._report_task: asyncio.Task | None = None
 
     def start(self) -> WeightReceiver:
         """Start the loop on the running event loop (Serve runs replica constructors on it)."""
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"clawray-weights-{self.replica_id}")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(), name=f"clawray-weights-{self.replica_id}")
+        self._report_task = loop.create_task(self._report_serving(),
+                                             name=f"clawray-serving-{self.replica_id}")
         return self
 
     def close(self) -> None:
         """Stop the loop and deregister (fire-and-forget, safe from a destructor)."""
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
+        for task in (self._task, self._report_task):
+            if task is not None and not task.done():
+                task.cancel()
         if self._control is not None:
             try:
                 self._control.deregister.remote(self.replica_id)
@@ -123,6 +132,24 @@ class WeightReceiver:
                 if not await _actor_alive(self._control):
                     self._control = None  # recreated (get_if_exists) on the next round
                 await asyncio.sleep(self.retry_s)
+
+    async def _report_serving(self) -> None:
+        """Send the serving tally to the control actor whenever it changed (every
+        ``REPORT_S`` at most); a failed report is sent again the next round."""
+        while True:
+            await asyncio.sleep(REPORT_S)
+            tally = self.serving_tally
+            if tally is None or self._control is None or tally.changes == self._serving_sent:
+                continue
+            changes = tally.changes
+            try:
+                await self._control.report_serving.remote(self.replica_id, tally.snapshot())
+                self._serving_sent = changes
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the replica must keep serving
+                logger.warning("app %s replica %s: serving report failed; retrying",
+                               self.app_name, self.replica_id, exc_info=True)
 
     async def _apply_adapter(self, change: dict[str, Any]) -> None:
         """Load (or unload) one user's adapter; a failure is logged and reported, the replica

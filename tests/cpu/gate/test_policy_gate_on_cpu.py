@@ -37,7 +37,7 @@ def test_the_gate_rejects_canaries_promotes_and_rolls_back(served, tiny_model_pa
     from clawray.config import GateConfig
     from clawray.apps.cli import main
     from clawray.gate.actor import start_policy_gate
-    from clawray.gate.core import adapter_name, canary_bucket
+    from clawray.gate.core import adapter_name, canary_bucket, merge_serving
     from clawray.weights.control import start_app_control
 
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32)
@@ -86,10 +86,20 @@ def test_the_gate_rejects_canaries_promotes_and_rolls_back(served, tiny_model_pa
             in_canary = canary_bucket(r.session_key(), routing["salt"]) < routing["share"]
             assert (arms[s] == adapter_name(2)) == in_canary, s
             assert r.policy_version == (2 if in_canary else 0)
+        # the replicas report what each side served (requests, errors, seconds per token)
+        n_c = 2 * sum(a == adapter_name(2) for a in arms.values())
+
+        def tally():
+            m = merge_serving(ray.get(control.serving_reports.remote()), routing["salt"])
+            return m["candidate"]["requests"] + m["incumbent"]["requests"] >= 24 and m
+        m = wait_for(tally, "the replicas' serving reports")
+        assert (m["candidate"]["requests"], m["incumbent"]["requests"]) == (n_c, 24 - n_c)
+        assert m["candidate"]["errors"] == 0 and m["candidate"]["timed"] == n_c
 
         # 3. the canary's judged turns promote it; everyone is then served by it
         events = ray.get(gate.observe.remote([(2, 1.0, None)] * 4 + [(0, 1.0, None)] * 4))
         assert [e["event"] for e in events] == ["promoted"]
+        assert events[0]["evidence"]["candidate"]["serving"]["requests"] == n_c
         st = status()
         assert st["incumbent"] == 2 and st["candidate"] is None
         ray.get(control.wait_routing.remote(ray.get(control.status.remote())["routing_seq"]))

@@ -285,3 +285,70 @@ def test_restart_is_the_default_and_keep_line_is_validated():
     assert GateSettings.of(GateConfig(on_reject="keep_line")).on_reject == "keep_line"
     with pytest.raises(ValidationError, match="on_reject"):
         GateConfig(on_reject="retrain")
+
+
+def serving(requests: int, errors: int, s_per_token: float, spread: float = 0.001) -> dict:
+    timed = requests - errors
+    # sum and sum of squares of `timed` values alternating s_per_token +- spread
+    vals = [s_per_token + (spread if k % 2 else -spread) for k in range(timed)]
+    return {"requests": requests, "errors": errors, "timed": timed,
+            "s_per_token": sum(vals), "s_per_token_sq": sum(v * v for v in vals)}
+
+
+def test_a_candidate_with_more_server_errors_is_rolled_back_by_the_replicas_report():
+    g = gate(canary_min_turns=20)
+    to_canary(g, 1)
+    assert g.serving_report({"candidate": serving(10, 9, 0.01),
+                             "incumbent": serving(10, 0, 0.01)}) is None  # too few yet
+    ev = g.serving_report({"candidate": serving(40, 8, 0.01), "incumbent": serving(40, 0, 0.01)})
+    assert ev["event"] == "rolled_back" and "server errors 20.0% against 0.0%" in ev["reason"]
+    assert g.incumbent == BASE and g.abandoned == {1}
+
+
+def test_latency_and_error_noise_within_the_allowance_do_not_roll_back():
+    g = gate(canary_min_turns=20)
+    to_canary(g, 1)
+    assert g.serving_report({"candidate": serving(100, 1, 0.012),
+                             "incumbent": serving(100, 0, 0.010)}) is None  # 1.2x, 1%
+    ev = g.serving_report({"candidate": serving(100, 0, 0.020),
+                           "incumbent": serving(100, 0, 0.010)})
+    assert ev["event"] == "rolled_back" and "2.00x > 1.5x" in ev["reason"]
+    st = ev["evidence"]
+    assert st["candidate"]["serving"]["requests"] == 100  # the evidence keeps the signals
+
+
+def test_regenerated_turns_roll_a_candidate_back_at_its_look_and_feedback_is_reported():
+    g = gate(canary_min_turns=20, canary_margin=1.0)  # the reward test alone would promote
+    to_canary(g, 1)
+    for k in range(20):
+        g.observe(BASE, 0.0)
+        g.observe(1, -1.0 if k % 2 else 0.0, status="regenerated" if k % 2 else "judged")
+    ev = g.events[-1]
+    assert ev["event"] == "rolled_back" and "regenerated 50.0% of turns against 0.0%" \
+        in ev["reason"]
+    g2 = gate(canary_min_turns=20)
+    to_canary(g2, 1)
+    for _ in range(20):
+        g2.observe(BASE, 0.0)
+        g2.observe(1, 1.0, status="feedback")
+    assert g2.incumbent == 1
+    st = g2.events[-1]["evidence"]
+    assert st["candidate"]["feedback"] == 20 and st["candidate"]["feedback_mean"] == 1.0
+
+
+def test_replica_tallies_merge_per_canary_and_ignore_other_canaries():
+    from clawray.gate.core import ServingTally, merge_serving
+
+    a, b = ServingTally(), ServingTally()
+    a.add("canary-v1", "candidate", seconds=1.0, tokens=10)
+    a.add("canary-v1", "incumbent", error=True)
+    b.add("canary-v1", "candidate", seconds=2.0, tokens=10)
+    b.add("canary-v2", "candidate", seconds=9.0, tokens=1)
+    b.add("", "candidate", seconds=9.0, tokens=1)  # no canary: not counted
+    m = merge_serving([a.snapshot(), b.snapshot()], "canary-v1")
+    assert m["candidate"]["requests"] == 2 and m["candidate"]["timed"] == 2
+    assert m["candidate"]["s_per_token"] == pytest.approx(0.3)
+    assert m["incumbent"]["errors"] == 1 and m["incumbent"]["timed"] == 0
+    for k in range(6):
+        a.add(f"canary-v{k + 10}", "candidate")
+    assert len(a.snapshot()) == ServingTally.KEPT

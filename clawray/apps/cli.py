@@ -66,7 +66,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     if args.gate:
-        from clawray.apps.gate_demo import run_gate_demo
+        from clawray.apps.gate_demo import combine, run_gate_demo
+
+        if args.combine:
+            for key, a in combine([Path(p) for p in args.combine], Path(args.out)).items():
+                print(f"{key}: held-out {a['before']['mean']:.1%} → {a['after']['mean']:.1%} "
+                      f"(change {a['change']['mean']:+.1%} ± {a['change']['stderr'] or 0:.1%},"
+                      f" seeds {a['seeds']})")
+            return 0
 
         extra = {k: v for k, v in (("budget", args.budget), ("eval_n", args.eval_n))
                  if v is not None}
@@ -464,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
                            choices=["poisoned", "healthy"], help="--gate: which to run")
             p.add_argument("--arms", nargs="+", default=["nogate", "gate"],
                            choices=["nogate", "gate"], help="--gate: without / with the gate")
+            p.add_argument("--combine", nargs="+", metavar="DIR",
+                           help="--gate: combine runs made one by one (their --out folders) "
+                                "into OUT/gate.json and OUT/gate.png")
             p.add_argument("--on-reject", default="restart", choices=["restart", "keep_line"],
                            help="--gate: a rejected candidate abandons its line (restart) or "
                                 "the trainer's line goes on (keep_line)")

@@ -205,6 +205,27 @@ def run_gate_demo(cfg: ClawRayConfig, out: Path, seeds: list[int],
     return 0
 
 
+def combine(runs: list[Path], out: Path) -> dict[str, Any]:
+    """Runs made one by one (each ``--out`` folder's ``gate.json``, or a run's
+    ``summary.json``) into one ``gate.json`` and ``gate.png`` in ``out``: the aggregate over
+    seeds per scenario and arm."""
+    summaries = []
+    for path in runs:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "gate.json"
+        data = json.loads(path.read_text())
+        summaries += data["runs"] if "runs" in data else [data]
+    if not summaries:
+        raise ValueError("no runs to combine")
+    out.mkdir(parents=True, exist_ok=True)
+    agg = aggregate(summaries)
+    (out / "gate.json").write_text(json.dumps({"aggregate": agg, "runs": summaries}, indent=2,
+                                              default=str))
+    plot(summaries, out / "gate.png")
+    return agg
+
+
 def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     import numpy as np
 
@@ -274,7 +295,8 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
             ax.fill_between(grid, mean - se, mean + se, color=color, alpha=0.15)
         ax.set(title=f"{sc} run", xlabel="rows trained",
                ylabel="live users satisfied by the version serving everyone", ylim=(0, 1))
-        ax.legend(fontsize=7)
+        if arms:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -12,8 +12,8 @@ It holds the gate's rules (``GateCore``) and does what they need done:
   and lets the rules promote or roll back;
 - pushes the routing table (``GateCore.routing``) to the control actor, which every replica
   mirrors (``WeightReceiver.routing``, read by ``ChatService``);
-- writes every decision to ``decisions.jsonl`` and its state to ``state.json`` (a restarted
-  gate resumes), and re-asserts adapters and routing when the control actor restarted.
+- writes every decision to ``decisions.jsonl`` (and counts it in the Ray metric
+  ``clawray_gate_decisions_total``) and its state to ``state.json`` (a restarted gate resumes), and re-asserts adapters and routing when the control actor restarted.
 
 Operators reach it through Ray (``clawray gate status|promote|reject|rollback|pin|unpin``),
 never through the public HTTP API.
@@ -94,6 +94,41 @@ def load_shadow_set(spec: str | None, kwargs: dict[str, Any] | None = None) -> S
     return made
 
 
+class GateMetrics:
+    """The gate as Ray metrics (scraped by Prometheus with the rest of Ray's):
+    ``clawray_gate_decisions_total{app, event}`` counts every event, and gauges give the
+    incumbent, the candidate (-1: none), and the canary's judged turns per side. ``factory``
+    makes a metric (tests pass their own)."""
+
+    SIDES = ("candidate", "incumbent")
+
+    def __init__(self, app: str, factory: Callable[..., Any] | None = None) -> None:
+        if factory is None:
+            from ray.util.metrics import Counter, Gauge
+
+            def factory(kind: str, name: str, description: str, tag_keys: tuple) -> Any:
+                return (Counter if kind == "counter" else Gauge)(
+                    name, description=description, tag_keys=tag_keys)
+        self.tags = {"app": app}
+        self.decisions = factory("counter", "clawray_gate_decisions_total",
+                                 "policy gate events, by kind", ("app", "event"))
+        self.incumbent = factory("gauge", "clawray_gate_incumbent",
+                                 "the version serving everyone (0: the base)", ("app",))
+        self.candidate = factory("gauge", "clawray_gate_candidate",
+                                 "the pending candidate (-1: none)", ("app",))
+        self.turns = factory("gauge", "clawray_gate_canary_turns",
+                             "judged turns of the running canary, by side", ("app", "side"))
+
+    def record(self, new_events: list[dict[str, Any]], core: GateCore) -> None:
+        for ev in new_events:
+            self.decisions.inc(1, tags={**self.tags, "event": ev["event"]})
+        self.incumbent.set(core.incumbent, tags=self.tags)
+        self.candidate.set(-1 if core.candidate is None else core.candidate, tags=self.tags)
+        for side in self.SIDES:
+            n = core.arms[side].n if core.phase == "canary" else 0
+            self.turns.set(n, tags={**self.tags, "side": side})
+
+
 @ray.remote(num_cpus=0)
 class PolicyGate:
     """The policy gate of one app (async actor)."""
@@ -114,6 +149,7 @@ class PolicyGate:
         self._shadow_set: ShadowSet | None = None
         self.shadow_errors: list[str] = []
         self._logged_seq = self.core.event_seq  # events up to here are in decisions.jsonl
+        self.metrics = GateMetrics(app)
 
     # ---- the trainer's side ------------------------------------------------------------------
 
@@ -248,6 +284,7 @@ class PolicyGate:
                     f.write(json.dumps({"app": self.app, **ev}, default=str) + "\n")
                     logger.info("gate %s: %s", self.app, ev)
             self._logged_seq = new[-1]["seq"]
+        self.metrics.record(new, self.core)
         for v in self.core.to_drop():
             self._file(v).unlink(missing_ok=True)
             await self.control.delete_adapter.remote(adapter_name(v))

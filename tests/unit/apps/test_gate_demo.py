@@ -96,3 +96,32 @@ def test_the_keep_line_arm_differs_only_in_on_reject(tmp_path):
     assert a["gate"]["on_reject"] == "restart" and b["gate"]["on_reject"] == "keep_line"
     b["gate"]["on_reject"] = "restart"
     assert a == b
+
+
+def test_runs_made_one_by_one_combine_into_one_aggregate_and_plot(tmp_path):
+    import json
+
+    from clawray.apps.gate_demo import combine
+
+    def run(seed, gated, after, how="keep_line"):
+        return {"seed": seed, "scenario": "healthy", "gated": gated,
+                "on_reject": how if gated else None, "budget": 64, "before": 0.4,
+                "after": after, "turns_by_abandoned": 3 if gated else 0, "live_turns": 50,
+                "live_by_version": {"0": {"rate": 0.4, "turns": 20},
+                                    "2": {"rate": after, "turns": 30}},
+                "curve": [{"rows_trained": 32, "serving": 0},
+                          {"rows_trained": 64, "serving": 2}]}
+
+    for k, (seed, gated, after) in enumerate([(0, False, 0.8), (1, False, 0.6), (0, True, 0.7),
+                                              (1, True, 0.5)]):
+        d = tmp_path / f"r{k}"
+        d.mkdir()
+        (d / "gate.json").write_text(json.dumps({"runs": [run(seed, gated, after)]}))
+    agg = combine(sorted(tmp_path.glob("r*")), tmp_path / "all")
+    assert set(agg) == {"healthy, no gate", "healthy, gate (keep_line)"}
+    a = agg["healthy, gate (keep_line)"]
+    assert a["seeds"] == [0, 1] and a["change"]["mean"] == pytest.approx(0.2)
+    assert a["change"]["stderr"] == pytest.approx(0.1) and a["turns_by_abandoned"] == 6
+    assert (tmp_path / "all" / "gate.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="no runs"):
+        combine([], tmp_path / "none")

@@ -352,3 +352,35 @@ def test_replica_tallies_merge_per_canary_and_ignore_other_canaries():
     for k in range(6):
         a.add(f"canary-v{k + 10}", "candidate")
     assert len(a.snapshot()) == ServingTally.KEPT
+
+
+def test_every_decision_is_counted_in_the_gates_metrics():
+    from clawray.gate.actor import GateMetrics
+
+    class Metric:
+        def __init__(self, kind, name, description, tag_keys):
+            self.name, self.tag_keys, self.values = name, tag_keys, {}
+
+        def inc(self, n, tags):
+            key = tuple(tags[k] for k in self.tag_keys)
+            self.values[key] = self.values.get(key, 0) + n
+
+        def set(self, v, tags):
+            self.values[tuple(tags[k] for k in self.tag_keys)] = v
+
+    made = {}
+    m = GateMetrics("app", lambda *a: made.setdefault(a[1], Metric(*a)))
+    g = gate(canary_min_turns=20)
+    to_canary(g, 1)
+    g.observe(BASE, 1.0)
+    m.record(g.events, g)
+    assert made["clawray_gate_decisions_total"].values == {("app", "candidate"): 1,
+                                                          ("app", "canary"): 1}
+    assert made["clawray_gate_candidate"].values == {("app",): 1}
+    assert made["clawray_gate_canary_turns"].values == {("app", "candidate"): 0,
+                                                       ("app", "incumbent"): 1}
+    g.reject("bad")
+    m.record(g.events[-1:], g)
+    assert made["clawray_gate_decisions_total"].values[("app", "rejected")] == 1
+    assert made["clawray_gate_candidate"].values == {("app",): -1}
+    assert made["clawray_gate_incumbent"].values == {("app",): 0}

@@ -192,10 +192,7 @@ def run_gate_demo(cfg: ClawRayConfig, out: Path, seeds: list[int],
     summaries = [run_once(cfg, out / f"{sc}-{arm_name(g, on_reject)}-seed{seed}", seed=seed,
                           scenario=sc, gated=g, on_reject=on_reject, **kwargs)
                  for seed in seeds for sc in scenarios for g in arms]
-    agg = aggregate(summaries)
-    (out / "gate.json").write_text(json.dumps({"aggregate": agg, "runs": summaries}, indent=2,
-                                              default=str))
-    plot(summaries, out / "gate.png")
+    agg = write_results(summaries, out)
     for key, a in agg.items():
         print(f"clawray demo --gate: {key}: held-out {a['before']['mean']:.1%} → "
               f"{a['after']['mean']:.1%} (change {a['change']['mean']:+.1%} ± "
@@ -218,6 +215,11 @@ def combine(runs: list[Path], out: Path) -> dict[str, Any]:
         summaries += data["runs"] if "runs" in data else [data]
     if not summaries:
         raise ValueError("no runs to combine")
+    return write_results(summaries, out)
+
+
+def write_results(summaries: list[dict[str, Any]], out: Path) -> dict[str, Any]:
+    """``out/gate.json`` (the aggregate and every run) and ``out/gate.png``; the aggregate."""
     out.mkdir(parents=True, exist_ok=True)
     agg = aggregate(summaries)
     (out / "gate.json").write_text(json.dumps({"aggregate": agg, "runs": summaries}, indent=2,

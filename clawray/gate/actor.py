@@ -181,13 +181,13 @@ class PolicyGate:
     async def observe(self, observations: list[tuple]) -> list[dict[str, Any]]:
         """Judged turns ``(version, reward, served_at[, status])`` (status: judged | feedback |
         regenerated); the decisions they caused, the replicas' serving signals first."""
-        events = [ev] if (ev := await self._serving_round()) is not None else []
+        serving = [ev] if (ev := await self._serving_round()) is not None else []
         async with self._lock:
-            events += [ev for v, r, at, *st in observations
-                       if (ev := self.core.observe(int(v), float(r), at, *st)) is not None]
-            if events:
+            events = [ev for v, r, at, *st in observations
+                      if (ev := self.core.observe(int(v), float(r), at, *st)) is not None]
+            if events:  # (a serving round's decision was handled by the round)
                 await self._after()
-        return events
+        return serving + events
 
     async def _serving_round(self) -> dict[str, Any] | None:
         """During a canary: the replicas' serving signals (errors, latency per side) to the

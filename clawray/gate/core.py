@@ -167,7 +167,7 @@ class Arm:
     def var(self) -> float:
         if self.n < 2:
             return math.nan
-        return max(0.0, (self.total_sq - self.total ** 2 / self.n) / (self.n - 1))
+        return _mean_var(self.total, self.total_sq, self.n)[1]
 
     def to_dict(self) -> dict[str, Any]:
         return {"n": self.n, "total": self.total, "total_sq": self.total_sq,

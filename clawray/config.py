@@ -295,6 +295,15 @@ class JudgeConfig(_Section):
     hint_max_chars: int = Field(600, ge=1)
     hint_min_chars: int = Field(
         8, ge=1, description="Shorter hints are dropped ('ok', 'n/a': no instruction).")
+    teacher: Literal["judge", "server"] = Field(
+        "judge",
+        description=(
+            "OPD's teacher log-probs: 'judge' (the voting backend scores them: a JudgeServer, "
+            "or a function with teacher_logprobs) or 'server' (the app's JudgeServer scores "
+            "them, on judge.model_path or the policy model, whichever backend writes the votes "
+            "and hints: a rule judge or an external API that cannot score token ids)."
+        ),
+    )
 
 
 class BufferConfig(_Section):

@@ -174,16 +174,45 @@ class ServerBackend:
         return await self.handle.teacher_logprobs.remote(messages, tools, response_ids)
 
 
+class TeacherFrom:
+    """Votes and hints from one backend, OPD teacher log-probs from another
+    (``judge.teacher='server'``: a rule judge or an external API writes the hints, the app's
+    JudgeServer scores the sampled ids under the hinted prompt)."""
+
+    def __init__(self, judge: JudgeBackend, teacher: JudgeBackend) -> None:
+        self.judge, self.teacher = judge, teacher
+
+    async def complete(self, request: JudgeRequest, n: int, temperature: float,
+                       max_tokens: int) -> list[str]:
+        return await self.judge.complete(request, n, temperature, max_tokens)
+
+    async def teacher_logprobs(self, messages: list[dict], tools: list[dict] | None,
+                               response_ids: list[int]) -> list[float]:
+        return await self.teacher.teacher_logprobs(messages, tools, response_ids)
+
+
+def needs_server(cfg: JudgeConfig) -> bool:
+    """Whether the judge calls the app's JudgeServer (for votes or for teacher log-probs)."""
+    return cfg.backend == "server" or cfg.teacher == "server"
+
+
 def make_backend(cfg: JudgeConfig, server_handle: Any = None) -> JudgeBackend:
-    """The backend ``cfg.backend`` names; 'server' needs the JudgeServer handle."""
+    """The backend ``cfg.backend`` names (with ``cfg.teacher='server'``: its teacher log-probs
+    from the JudgeServer); a JudgeServer needs its deployment handle."""
+    if needs_server(cfg) and server_handle is None:
+        raise ValueError(f"judge.backend={cfg.backend!r} with judge.teacher={cfg.teacher!r} "
+                         "needs a JudgeServer deployment handle")
     if cfg.backend == "function":
-        return FunctionBackend(cfg.function)
-    if cfg.backend == "openai":
+        backend: JudgeBackend = FunctionBackend(cfg.function)
+    elif cfg.backend == "openai":
         if not (cfg.url and cfg.model):
             raise ValueError("judge.backend='openai' needs judge.url and judge.model")
-        return OpenAIBackend(cfg.url, os.environ.get(cfg.api_key_env), cfg.model, cfg.timeout_s)
-    if cfg.backend == "server":
-        if server_handle is None:
-            raise ValueError("judge.backend='server' needs a JudgeServer deployment handle")
+        backend = OpenAIBackend(cfg.url, os.environ.get(cfg.api_key_env), cfg.model,
+                                cfg.timeout_s)
+    elif cfg.backend == "server":
         return ServerBackend(server_handle)
-    raise ValueError(f"unknown judge backend {cfg.backend!r}")
+    else:
+        raise ValueError(f"unknown judge backend {cfg.backend!r}")
+    if cfg.teacher == "server":
+        return TeacherFrom(backend, ServerBackend(server_handle))
+    return backend

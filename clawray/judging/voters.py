@@ -20,7 +20,7 @@ import ray
 from ray import serve
 
 from clawray.config import JudgeConfig
-from clawray.judging.backends import JudgeUnavailable, make_backend
+from clawray.judging.backends import JudgeUnavailable, make_backend, needs_server
 from clawray.judging.jobs import JudgeJob, Verdict
 from clawray.judging.opd import inject_hint, select_hint
 from clawray.judging.parse import parse_hint_vote, parse_vote
@@ -36,7 +36,7 @@ class PRMVoter:
     def __init__(self, judge: dict[str, Any], app_name: str | None = None) -> None:
         cfg = JudgeConfig.model_validate(judge)
         handle = None
-        if cfg.backend == "server":
+        if needs_server(cfg):
             handle = serve.get_deployment_handle("JudgeServer", app_name=app_name or "clawray")
         self.backend = make_backend(cfg, handle)
 

@@ -169,7 +169,8 @@ def check_teacher_tokenizer(cfg: ClawRayConfig) -> None:
 
     kinds = set(cfg.sessions_cfg.sample_kinds) & {"opd", "combine"}
     judge = judge_model_path(cfg)
-    if not kinds or cfg.judge_cfg.backend != "server" or not judge:
+    teacher_is_server = cfg.judge_cfg.backend == "server" or cfg.judge_cfg.teacher == "server"
+    if not kinds or not teacher_is_server or not judge:
         return
     policy = resolve_model_path(cfg.model_cfg.path, seed=cfg.model_cfg.seed)
     judge_dir = resolve_model_path(judge, seed=cfg.model_cfg.seed)

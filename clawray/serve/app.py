@@ -8,7 +8,8 @@
 ``args`` is a clawray config (the same keys as a clawray YAML file), or ``{config: path}``.
 
 The app holds a ``JudgeServer`` when something calls it: the live PRM judge
-(``judge.backend: server`` with the ``hub`` record sink) or RLAnything's step-wise reward model
+(``judge.backend: server``, or ``judge.teacher: server`` for OPD's teacher log-probs, with
+the ``hub`` record sink) or RLAnything's step-wise reward model
 (``training.mode: rlanything`` with ``rlanything.rm_backend: server``; its model is
 ``judge_model_path``). Callers reach it with
 ``serve.get_deployment_handle("JudgeServer", app_name=app)``.
@@ -27,6 +28,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from clawray.config import ClawRayConfig
+from clawray.judging.backends import needs_server
 from clawray.models.loader import check_teacher_tokenizer
 from clawray.serve.judge_server import JudgeServer
 from clawray.serve.ingress import Ingress
@@ -81,7 +83,7 @@ def build_app(args: dict[str, Any] | ClawRayConfig | None = None) -> Application
                               max_ongoing_requests=s.max_ongoing_requests,
                               **(affine if s.layout == "colocated" else {}))
     judge = None
-    live_judge = cfg.judge_cfg.backend == "server" and "hub" in s.record_sink
+    live_judge = needs_server(cfg.judge_cfg) and "hub" in s.record_sink
     step_rm = (cfg.training_cfg.mode == "rlanything"
                and cfg.rlanything_cfg.rm_backend == "server")
     if live_judge or step_rm:

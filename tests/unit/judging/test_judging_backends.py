@@ -19,6 +19,7 @@ from clawray.judging.backends import (
     OpenAIBackend,
     ServerBackend,
     make_backend,
+    needs_server,
 )
 from clawray.judging.parse import tally
 from clawray.judging.prompts import TurnContext, build_judge_request
@@ -230,3 +231,27 @@ async def test_server_backend_calls_the_handle_methods():
     assert await backend.teacher_logprobs(msgs, None, [3, 4]) == [-1.0, -1.0]
     assert handle.calls == [("judge", (REQ.messages, 2, 0.6, 32)),
                             ("teacher", (msgs, None, [3, 4]))]
+
+
+async def test_teacher_server_keeps_the_judges_votes_and_scores_on_the_judge_server(fake,
+                                                                                    monkeypatch):
+    """judge.teacher='server': the configured backend writes votes and hints (here the rule
+    judge, and an external API that cannot score ids), the JudgeServer scores the teacher."""
+    handle = FakeHandle()
+    backend = make_backend(JudgeConfig(teacher="server"), server_handle=handle)
+    assert isinstance(backend.judge, FunctionBackend)
+    votes = await backend.complete(REQ, 2, 0.6, 32)
+    assert votes == await FunctionBackend(JudgeConfig().function).complete(REQ, 2, 0.6, 32)
+    msgs = [{"role": "user", "content": "x"}]
+    assert await backend.teacher_logprobs(msgs, None, [3, 4, 5]) == [-1.0] * 3
+    assert handle.calls == [("teacher", (msgs, None, [3, 4, 5]))]  # votes never reached it
+
+    monkeypatch.setenv("CLAWRAY_JUDGE_API_KEY", "sk-env")
+    api = make_backend(JudgeConfig(backend="openai", url=fake.base_url, model="m",
+                                   teacher="server"), server_handle=handle)
+    assert isinstance(api.judge, OpenAIBackend)
+    assert await api.teacher_logprobs(msgs, None, [7]) == [-1.0]
+    with pytest.raises(ValueError, match="needs a JudgeServer"):
+        make_backend(JudgeConfig(teacher="server"))
+    # The app builds a JudgeServer for it only when turns are judged live (the hub sink).
+    assert needs_server(JudgeConfig(teacher="server")) and not needs_server(JudgeConfig())

@@ -501,6 +501,11 @@ class EnvironmentsConfig(_Section):
     runtime_env: dict[str, Any] | None = Field(
         None, description="Ray runtime_env of the runners and the curriculum actor (e.g. "
         "py_modules or env_vars PYTHONPATH so they can import your own environment).")
+    task_pools: bool = Field(
+        True, description="Split tasks by content into train / validation / test pools "
+        "(clawray.envs.task_pool): training draws, warm starts and rewrites use the train "
+        "pool only, evaluations a held-out pool. Off only for a family whose task does not "
+        "vary with its seed.")
     num_runners: int = Field(1, ge=0, description="EnvRunner actors (0: no env rollouts).")
     runner_num_cpus: float = Field(0.5, ge=0)
     concurrency: int = Field(4, ge=1, description="GRPO groups each runner plays at once.")

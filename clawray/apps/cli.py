@@ -173,7 +173,7 @@ def cmd_env_demo(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     kwargs = {"iterations": args.iterations, "eval_n": args.eval_n,
-              "eval_every": args.eval_every, "sets": args.set}
+              "eval_every": args.eval_every, "sets": args.set, "eval_pool": args.eval_pool}
     if args.seeds:
         from clawray.apps.env_demo import run_env_demo_seeds
 
@@ -197,7 +197,8 @@ def cmd_rla_table(args: argparse.Namespace) -> int:
         scale = dataclasses.replace(scale, steps=args.steps or scale.steps,
                                     eval_tasks=args.eval_n or scale.eval_tasks)
         summary = run_table(cfg, Path(args.out), args.seeds, args.rows.split(","),
-                            args.label_noise, args.sft_seed, scale, args.parallel)
+                            args.label_noise, args.sft_seed, scale, args.parallel,
+                            eval_pool=args.eval_pool)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     print(table_markdown(summary))
@@ -421,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sft-seed", type=int, default=0, help="seed of both warm starts")
     p.add_argument("--warm-starts-only", action="store_true",
                    help="build (or find cached) the scale's warm starts, print them, stop")
+    p.add_argument("--eval-pool", default="test", choices=["validation", "test"],
+                   help="held-out tasks and RM steps: 'validation' to choose settings, 'test' "
+                        "to report")
     p.add_argument("--parallel", action="store_true",
                    help="run a seed's rows at once on one cluster (default: one after another, "
                         "each on its own)")
@@ -440,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--iterations", type=int, default=ENV_ITERATIONS)
             p.add_argument("--eval-n", type=int, default=EVAL_N)
             p.add_argument("--eval-every", type=int, default=10)
+            p.add_argument("--eval-pool", default="test", choices=["validation", "test"],
+                           help="held-out tasks: 'validation' to choose settings, 'test' to "
+                                "report (pools disjoint by content: clawray.envs.task_pool)")
             p.add_argument("--seed", type=int, default=0, help="seed of the RL run")
             p.add_argument("--seeds", type=int, nargs="+",
                            help="one run per seed (OUT/seed<k>), then their summary")

@@ -81,9 +81,11 @@ def env_demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED,
 
 def run_env_learning(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
                      eval_n: int = EVAL_N, eval_every: int = 10, seed: int = SEED,
-                     progress: bool = True) -> dict[str, Any]:
-    """Train ``iterations`` env iterations on an app already serving ``cfg``'s model."""
-    tasks = held_out_tasks(cfg, eval_n, seed) * EVAL_SAMPLES
+                     progress: bool = True, eval_pool: str = "test") -> dict[str, Any]:
+    """Train ``iterations`` env iterations on an app already serving ``cfg``'s model,
+    evaluating on held-out tasks of ``eval_pool`` (``validation`` to choose settings,
+    ``test`` to report)."""
+    tasks = held_out_tasks(cfg, eval_n, seed, eval_pool) * EVAL_SAMPLES
     trainer = Trainer(config=cfg.to_dict())
     evals: list[dict[str, Any]] = []
 
@@ -210,7 +212,7 @@ def run_env_demo_seeds(cfg: ClawRayConfig, out: Path, seeds: list[int], sft_seed
 def run_env_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
                  eval_n: int = EVAL_N, eval_every: int = 10, seed: int = SEED,
                  sft_seed: int | None = None,
-                 sets: list[str] | None = None) -> int:
+                 sets: list[str] | None = None, eval_pool: str = "test") -> int:
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("samples", "samples-env", "checkpoints"):
         shutil.rmtree(out / stale, ignore_errors=True)
@@ -225,10 +227,11 @@ def run_env_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": cfg.serving_cfg.port})
         serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
-        summary = run_env_learning(cfg, out, iterations, eval_n, eval_every, seed=seed)
+        summary = run_env_learning(cfg, out, iterations, eval_n, eval_every, seed=seed,
+                                   eval_pool=eval_pool)
     finally:
         ray.shutdown()
-    summary.update(seed=seed, sft_seed=cfg.sft_cfg.seed, sets=sets or [],
+    summary.update(seed=seed, sft_seed=cfg.sft_cfg.seed, sets=sets or [], eval_pool=eval_pool,
                    iterations=iterations, sft=sft.info, seconds=time.monotonic() - t0)
     (out / "env_summary.json").write_text(json.dumps(summary, indent=2))
     plot_env_progress(summary, out / "env_progress.png")

@@ -8,10 +8,13 @@ settings) and the RM from ``clawray rm-sft`` on that policy's steps (clean label
 system (a Serve app with the PolicyServer and a JudgeServer, env runners, both learners) and
 measures, before and after:
 
-- (i) the policy's success on held-out household tasks (never trained on: their own seed),
-  played through serving with fixed per-step seeds (the env-demo's evaluation);
+- (i) the policy's success on held-out household tasks of the ``test`` pool (``eval_pool``;
+  ``validation`` for choosing settings: contents no training draw, warm start or rewrite can
+  produce, ``clawray.envs.task_pool``), played through serving with fixed per-step seeds (the
+  env-demo's evaluation);
 - (ii) the RM's step accuracy against the environment's step oracle on a fixed held-out set
-  of steps (the warm-started policy's steps on held-out tasks), ``rlanything.m`` scorings each
+  of steps (the warm-started policy's steps on held-out tasks of the same pool),
+  ``rlanything.m`` scorings each
   through the JudgeServer (``evaluate.step_accuracy``: single scorings, majority, unparseable);
 - (iii) the environment adapter's accepted rewrites, step by step.
 
@@ -260,7 +263,8 @@ def _parallel_rows(cfgs: dict[str, ClawRayConfig], steps: int, tasks: list[Any],
 
 def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], rows: list[str] | None = None,
               label_noise: float = RM_LABEL_NOISE, sft_seed: int = 0, scale: Scale = FULL,
-              parallel: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
+              parallel: bool = False, log: Callable[[str], None] = print,
+              eval_pool: str = "test") -> dict[str, Any]:
     """Every row for every seed (the RL run's seed; all start from the warm starts of
     ``sft_seed``) at ``scale``; writes and returns the summary.
 
@@ -278,14 +282,16 @@ def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], rows: list[str] |
     for seed in seeds:
         cfgs = {row: table_config(cfg, out, row, seed, policy, rm, scale) for row in rows}
         first = cfgs[rows[0]]
-        tasks = held_out_tasks(first, scale.eval_tasks, seed) * EVAL_SAMPLES
+        tasks = held_out_tasks(first, scale.eval_tasks, seed, eval_pool) * EVAL_SAMPLES
         contexts = collect_steps(policy, first, scale.eval_step_tasks, EVAL_MAX_DIFFICULTY,
-                                 seed + EVAL_SEED_OFFSET)
+                                 seed + EVAL_SEED_OFFSET,
+                                 eval_pool if first.environments_cfg.task_pools else None)
 
         def done(row: str, result: dict[str, Any]) -> dict[str, Any]:
             runs[row][str(seed)] = result
             summary = summarize(runs, seeds, scale.steps, label_noise, time.monotonic() - t0)
             summary.update(policy=policy, rm=rm, sft_seed=sft_seed, parallel=parallel,
+                           eval_pool=eval_pool,
                            scale=dataclasses.asdict(scale))
             (out / "rla_table.json").write_text(json.dumps(summary, indent=2))
             return summary

@@ -41,7 +41,7 @@ from clawray.curriculum.samplers import (TaskSampler, difficulty_histogram, make
                                          sampler_from_state)
 from clawray.envs import Task, make_family
 from clawray.files import write_json_atomic
-from clawray.envs.base import SubBox
+from clawray.envs.base import Pooled, SubBox
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +55,14 @@ class Curriculum:
                  sampler: str = "alp_gmm", sampler_kwargs: dict[str, Any] | None = None,
                  checkpoint_path: str | None = None, checkpoint_every: int = 50,
                  window: int = 512, trajectory_every: int = 10, bins: int = 10,
-                 max_difficulty: float = 1.0) -> None:
+                 max_difficulty: float = 1.0, pool: str | None = None) -> None:
         if checkpoint_every < 0 or window < 1 or trajectory_every < 1 or bins < 1:
             raise ValueError("checkpoint_every must be >= 0 and window, trajectory_every, bins "
                              f">= 1; got {checkpoint_every}, {window}, {trajectory_every}, {bins}")
         self.family_name, self.sampler_name = family_name, sampler
         self.family = make_family(family_name, **(family_kwargs or {}))
+        if pool is not None:  # training draws only tasks of this pool (envs.task_pool)
+            self.family = Pooled(self.family, pool)
         if max_difficulty < 1.0:
             self.family = SubBox(self.family, max_difficulty)
         self.checkpoint_path = checkpoint_path

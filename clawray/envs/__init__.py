@@ -11,7 +11,8 @@ import importlib
 from typing import Any
 
 from clawray.envs.base import (Action, Demonstration, EnvError, Param, StepResult, Task,
-                               TaskFamily, TextEnv, demo_tasks, demonstrate)
+                               TaskFamily, TextEnv, demo_tasks, demonstrate,
+                               Pooled, POOLS, task_pool)
 
 BUILTIN = {
     "household": "clawray.envs.household:HouseholdFamily",
@@ -49,5 +50,6 @@ def make_family(name: str, **kwargs: Any) -> TaskFamily:
     return family
 
 
-__all__ = ["Action", "BUILTIN", "Demonstration", "demo_tasks", "EnvError", "Param", "StepResult", "Task",
+__all__ = ["Action", "BUILTIN", "Demonstration", "demo_tasks", "EnvError", "Param", "POOLS", "Pooled",
+           "StepResult", "Task", "task_pool",
            "TaskFamily", "TextEnv", "demonstrate", "make_family"]

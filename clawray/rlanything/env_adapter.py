@@ -51,7 +51,7 @@ import numpy as np
 from clawray.config import JudgeConfig
 from clawray.files import write_json_atomic
 from clawray.envs import EnvError, Task, TaskFamily, make_family
-from clawray.envs.base import Direction, SubBox
+from clawray.envs.base import Direction, Pooled, SubBox
 from clawray.envs.llm_rewrite import with_llm_rewrite
 from clawray.judging.backends import make_backend
 from clawray.rlanything.core import accept_candidate, accuracy, adaptation_direction
@@ -420,11 +420,15 @@ def _check_result(r: Any, k: int) -> float:
 
 def build_family(family_name: str, family_kwargs: dict[str, Any] | None = None,
                  llm_rewrite: dict[str, Any] | None = None,
-                 judge_handle: Any = None) -> TaskFamily:
-    """The family ``make_family`` names, with LLM-driven rewrites when ``llm_rewrite`` is
-    given: ``{"judge": <JudgeConfig fields>, "temperature", "max_tokens", "n", ...}`` (the
-    other keys go to ``LLMRewriteFamily``); ``judge_handle`` serves ``backend="server"``."""
+                 judge_handle: Any = None, pool: str | None = None) -> TaskFamily:
+    """The family ``make_family`` names, restricted to ``pool``'s tasks when given
+    (``Pooled``: generated tasks and programmatic rewrites), with LLM-driven rewrites when
+    ``llm_rewrite`` is given: ``{"judge": <JudgeConfig fields>, "temperature", "max_tokens",
+    "n", ...}`` (the other keys go to ``LLMRewriteFamily``); ``judge_handle`` serves
+    ``backend="server"``."""
     family = make_family(family_name, **(family_kwargs or {}))
+    if pool is not None:
+        family = Pooled(family, pool)
     if llm_rewrite is None:
         return family
     settings = dict(llm_rewrite)

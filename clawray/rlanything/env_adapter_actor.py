@@ -24,10 +24,10 @@ class EnvAdapter:
     def __init__(self, family_name: str, family_kwargs: dict[str, Any] | None = None,
                  checkpoint_path: str | None = None, checkpoint_every: int = 1,
                  llm_rewrite: dict[str, Any] | None = None, judge_handle: Any = None,
-                 **settings: Any) -> None:
+                 pool: str | None = None, **settings: Any) -> None:
         if checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
-        family = build_family(family_name, family_kwargs, llm_rewrite, judge_handle)
+        family = build_family(family_name, family_kwargs, llm_rewrite, judge_handle, pool)
         config = AdapterConfig(**settings)
         self.checkpoint_path, self.checkpoint_every = checkpoint_path, checkpoint_every
         if checkpoint_path and Path(checkpoint_path).exists():

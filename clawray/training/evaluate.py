@@ -65,11 +65,15 @@ def evaluate_model(path: Path, cfg: ClawRayConfig, tasks: list[Task],
     return float(np.mean(results)) if results else float("nan")
 
 
-def held_out_tasks(cfg: ClawRayConfig, n: int, seed: int) -> list[Any]:
+def held_out_tasks(cfg: ClawRayConfig, n: int, seed: int, pool: str = "test") -> list[Any]:
     """``n`` tasks within ``EVAL_MAX_DIFFICULTY`` of the box, from a seed stream no training
-    or warm-start task is drawn from (``seed + 7_777_777``)."""
-    family = make_family(cfg.environments_cfg.family, **cfg.environments_cfg.family_kwargs)
-    return demo_tasks(family, n, EVAL_MAX_DIFFICULTY, seed + 7_777_777)
+    or warm-start task is drawn from (``seed + 7_777_777``) and, with
+    ``environments.task_pools`` (the default), of ``pool``: ``test`` (reported) or
+    ``validation`` (for choosing settings), whose contents no training draw can produce."""
+    e = cfg.environments_cfg
+    family = make_family(e.family, **e.family_kwargs)
+    return demo_tasks(family, n, EVAL_MAX_DIFFICULTY, seed + 7_777_777,
+                      pool if e.task_pools else None)
 
 
 def held_out_success(trainer: Any, cfg: ClawRayConfig, tasks: list[Any]) -> dict[str, Any]:

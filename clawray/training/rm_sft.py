@@ -48,10 +48,10 @@ from clawray.rlanything.steps import (StepContext, expert_alternatives, step_con
 from clawray.samples import make_row
 from clawray.training.evaluate import play_tasks, rm_step_accuracy
 from clawray.training.sft import (SFTResult, cached_result, demo_tasks, files_digest,
-                                  learner_settings, save_result, train_sft)
+                                  learner_settings, pools, save_result, train_sft)
 
 logger = logging.getLogger(__name__)
-RECIPE = "3"  # bump when the rows, the step collection or the training recipe change
+RECIPE = "4"  # 4: tasks of the train pool, checked on validation (envs.task_pool). Bump when the rows, the step collection or the training recipe change
 EVAL_SEED_OFFSET = 1_000_003  # held-out tasks: the same offset as clawray sft's
 # The RM learns from tasks of a stream of their own: with the policy's seed they were the first
 # n of the policy's own SFT tasks, where it plays like the expert it imitated (recipe 1).
@@ -69,8 +69,9 @@ def verdict(progress: bool) -> str:
 
 
 def collect_steps(policy_path: str | Path, cfg: ClawRayConfig, n_tasks: int,
-                  max_difficulty: float, seed: int) -> list[StepContext]:
-    """The steps of ``n_tasks`` seeded tasks played by the policy at ``policy_path`` (sampling
+                  max_difficulty: float, seed: int,
+                  pool: str | None = None) -> list[StepContext]:
+    """The steps of ``n_tasks`` seeded tasks (of ``pool`` when given) played by the policy at ``policy_path`` (sampling
     at ``environments.temperature``, episode ``i`` seeded ``seed + i``), in task order.
 
     If fewer than ``MIN_PROGRESS`` steps made progress (a weak policy), progress steps are
@@ -83,7 +84,7 @@ def collect_steps(policy_path: str | Path, cfg: ClawRayConfig, n_tasks: int,
     docs/rlanything.md)."""
     e = cfg.environments_cfg
     family = make_family(e.family, **e.family_kwargs)
-    tasks = demo_tasks(family, n_tasks, max_difficulty, seed)
+    tasks = demo_tasks(family, n_tasks, max_difficulty, seed, pool)
     episodes = play_tasks(Path(policy_path), cfg, tasks, seed=seed)
     contexts = [c for ep in episodes for c in step_contexts(ep)]
     plus = sum(c.progress for c in contexts)
@@ -139,7 +140,8 @@ def rm_sft_key(base: Path, policy: Path, cfg: ClawRayConfig, settings: dict[str,
     e, s = cfg.environments_cfg, cfg.sft_cfg
     parts = {"recipe": RECIPE, "base": files_digest(base), "policy": files_digest(policy),
              "env": e.model_dump(include={"family", "family_kwargs", "history_window",
-                                          "max_tokens", "temperature", "top_p", "max_steps"}),
+                                          "max_tokens", "temperature", "top_p", "max_steps",
+                                          "task_pools"}),
              "sft": s.model_dump(include={"steps", "batch_size", "lr", "seed"}),
              "rm_sft": settings, "learner": learner_settings(cfg)}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
@@ -160,12 +162,14 @@ def run_rm_sft(cfg: ClawRayConfig, policy_path: str | Path, force: bool = False,
     if (hit := cached_result(out, force)) is not None:
         return hit
     t0 = time.perf_counter()
-    contexts = collect_steps(policy, cfg, n_tasks, max_difficulty, s.seed + TASK_SEED_OFFSET)
+    train_pool, eval_pool = pools(cfg)
+    contexts = collect_steps(policy, cfg, n_tasks, max_difficulty, s.seed + TASK_SEED_OFFSET,
+                             train_pool)
     rows = rm_sft_rows(contexts, load_tokenizer(base), cfg.environments_cfg.history_window,
                        label_noise, s.seed)
     history = train_sft(base, cfg, rows, progress)
     held_out = (collect_steps(policy, cfg, s.eval_tasks, max_difficulty,
-                              s.seed + EVAL_SEED_OFFSET) if s.eval_tasks else [])
+                              s.seed + EVAL_SEED_OFFSET, eval_pool) if s.eval_tasks else [])
 
     def describe(saved: Path) -> dict[str, Any]:
         nll = history["nll"]

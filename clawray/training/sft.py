@@ -49,7 +49,7 @@ from clawray.samples import SCHEMA, make_row, rows_to_batch
 from clawray.training.evaluate import evaluate_model
 
 logger = logging.getLogger(__name__)
-RECIPE = "1"  # bump when the rows or the training recipe change (not the eval protocol)
+RECIPE = "2"  # 2: tasks of the train pool (envs.task_pool). Bump when the rows or the training recipe change (not the eval protocol)
 INFO = "clawray_sft.json"
 
 
@@ -105,11 +105,18 @@ def files_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def pools(cfg: ClawRayConfig) -> tuple[str | None, str | None]:
+    """The task pools a warm start trains on and checks itself on (``train``,
+    ``validation``), or none where ``environments.task_pools`` is off."""
+    return ("train", "validation") if cfg.environments_cfg.task_pools else (None, None)
+
+
 def sft_key(base: Path, cfg: ClawRayConfig) -> str:
     """Hash of what determines the result: base model files, family, SFT and learner settings."""
     e = cfg.environments_cfg
     parts = {"recipe": RECIPE, "base": files_digest(base), "family": e.family,
              "family_kwargs": e.family_kwargs, "history_window": e.history_window,
+             "task_pools": e.task_pools,
              "sft": cfg.sft_cfg.model_dump(exclude={"cache_dir", "eval_tasks"}),
              "learner": learner_settings(cfg)}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
@@ -165,12 +172,14 @@ def run_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True) -> S
     family = make_family(cfg.environments_cfg.family, **cfg.environments_cfg.family_kwargs)
     tokenizer = load_tokenizer(base)
     t0 = time.perf_counter()
-    rows = expert_rows(family, demo_tasks(family, s.tasks, s.max_difficulty, s.seed), tokenizer,
+    train_pool, eval_pool = pools(cfg)
+    rows = expert_rows(family, demo_tasks(family, s.tasks, s.max_difficulty, s.seed, train_pool),
+                       tokenizer,
                        cfg.environments_cfg.history_window)
     if s.live_samples:
         rows += live_rows(s.live_samples)
     history = train_sft(base, cfg, rows, progress)
-    held_out = demo_tasks(family, s.eval_tasks, s.max_difficulty, s.seed + 1_000_003)
+    held_out = demo_tasks(family, s.eval_tasks, s.max_difficulty, s.seed + 1_000_003, eval_pool)
 
     def describe(saved: Path) -> dict[str, Any]:
         info = {"key": key, "base": str(base), "family": family.name, "rows": len(rows),

@@ -102,7 +102,7 @@ def test_parallel_rows_record_every_row_under_its_own_app_and_write_the_table(tm
     monkeypatch.setattr(experiment, "warm_starts", lambda *a, **k: ("/p", "/rm"))
     monkeypatch.setattr(experiment, "cluster", lambda *a, **k: contextlib.nullcontext())
     monkeypatch.setattr(experiment, "_run_row", fake_row)
-    monkeypatch.setattr(experiment, "held_out_tasks", lambda cfg, n, seed: list(range(n)))
+    monkeypatch.setattr(experiment, "held_out_tasks", lambda cfg, n, seed, pool: list(range(n)))
     monkeypatch.setattr(experiment, "collect_steps", lambda *a: [])
     s = experiment.run_table(ClawRayConfig(), tmp_path, [0], scale=SMALL, parallel=True,
                              log=lambda m: None)

@@ -21,7 +21,11 @@ trainer drives them, because every phase of a step works on the same batch, in t
 
 Every phase is timed (``time_<phase>_s``); the RM's step accuracy against the environment's step
 oracle is measured on every step (``rm_step_acc``: single scorings; ``rm_majority_acc``: the
-majority of m), which is how RM quality is evaluated (the oracle never enters a reward).
+majority of m; per class ``rm_plus_acc`` = p+, ``rm_minus_acc`` = p-, ``rm_balanced_acc`` and
+``rm_mu`` = p+ + p-, since plain accuracy rewards the majority class), which is how RM quality
+is evaluated (the oracle never enters a reward). ``target_*`` measure the same per class for
+the consistency target the co-trainer pushes each scoring toward, sign(R) of the step's reward
+(Theorem 1: informative, balanced accuracy above 1/2, where the RM's mu > 1).
 
 The policy's rows use the prompt the policy actually saw: the full history, or the last
 ``environments.history_window`` exchanges when the environment's observations are Markov.
@@ -130,6 +134,13 @@ class TaskResult:
     rm_unparseable: int
     majority_right: int
     majority_n: int
+    # Per class of the step oracle, (right, n): the RM's single scorings on progress (plus)
+    # and no-progress (minus) steps, and the consistency target sign(R) the co-trainer pushes
+    # every scoring toward (Theorem 1: it agrees with the oracle beyond chance where mu > 1).
+    rm_plus: tuple[int, int] = (0, 0)
+    rm_minus: tuple[int, int] = (0, 0)
+    target_plus: tuple[int, int] = (0, 0)
+    target_minus: tuple[int, int] = (0, 0)
 
 
 def task_result(episodes: Sequence[Episode], scored: Sequence[Sequence[ScoredStep]],
@@ -179,9 +190,36 @@ def task_result(episodes: Sequence[Episode], scored: Sequence[Sequence[ScoredSte
     parseable = sum(v is not None for s in flat for v in s.scores)
     majority = [(np.sign(sum(v for v in s.scores if v is not None)), s.ctx.progress)
                 for s in flat]
+    by_class = {}
+    for progress, name in ((True, "plus"), (False, "minus")):
+        want = 1 if progress else -1
+        votes = [v for s in flat if s.ctx.progress == progress for v in s.scores
+                 if v is not None]
+        targets = [np.sign(rw) for k, steps in enumerate(scored) for rw, s in
+                   zip(rewards[k], steps) if s.ctx.progress == progress and rw != 0]
+        by_class[f"rm_{name}"] = (sum(v == want for v in votes), len(votes))
+        by_class[f"target_{name}"] = (int(sum(t == want for t in targets)), len(targets))
     return TaskResult(acc, policy_rows, rm_out, critique, right, parseable,
                       sum(v is None for s in flat for v in s.scores),
-                      sum(m == (1 if p else -1) for m, p in majority), len(majority))
+                      sum(m == (1 if p else -1) for m, p in majority), len(majority),
+                      **by_class)
+
+
+def class_accuracy(results: Sequence[TaskResult], prefix: str) -> dict[str, float | None]:
+    """p+ (progress steps called progress), p- (no-progress steps called no progress),
+    their mean (balanced accuracy) and mu = p+ + p- over ``results``, for the RM's single
+    scorings (``prefix`` "rm") or the co-trainer's consistency target ("target"); None where a
+    class had no step."""
+    def rate(name: str) -> float | None:
+        right = sum(getattr(x, name)[0] for x in results)
+        n = sum(getattr(x, name)[1] for x in results)
+        return right / n if n else None
+
+    plus, minus = rate(f"{prefix}_plus"), rate(f"{prefix}_minus")
+    both = plus is not None and minus is not None
+    return {f"{prefix}_plus_acc": plus, f"{prefix}_minus_acc": minus,
+            f"{prefix}_balanced_acc": (plus + minus) / 2 if both else None,
+            f"{prefix}_mu": plus + minus if both else None}
 
 
 class RLAnythingLoop:
@@ -267,6 +305,7 @@ class RLAnythingLoop:
             "rm_majority_acc": (sum(x.majority_right for x in results)
                                 / max(sum(x.majority_n for x in results), 1)),
             "rm_unparseable": sum(x.rm_unparseable for x in results),
+            **class_accuracy(results, "rm"), **class_accuracy(results, "target"),
             "env_accepted": len(decision.get("accepted", [])),
             "env_rejected": len(decision.get("rejected", [])),
             "env_proposed": len(decision.get("proposed", [])),

@@ -99,3 +99,29 @@ def test_without_rm_training_or_samples_there_are_no_rm_rows(tiny_tokenizer):
     res = task_result(eps, _scored(eps, lambda c: [1, -1, 1], with_samples=False),
                       RLAnythingConfig(), train_rm=True)
     assert res.rm_rows == []
+
+
+def test_rm_and_consistency_target_accuracy_per_class(tiny_tokenizer):
+    """p+ / p- of the RM's scorings and of the consistency target sign(R), per step oracle
+    class: an RM that always says -1 has p+ 0, p- 1 (balanced 1/2, mu 1) however often it is
+    'right'; with an informative RM the target follows the oracle (Theorem 1)."""
+    from clawray.rlanything.loop import class_accuracy
+
+    eps = _episodes(tiny_tokenizer, 2, 2)
+    flat = [c for ep in eps for c in step_contexts(ep)]
+    n_plus = sum(c.progress for c in flat)
+    assert 0 < n_plus < len(flat)
+    always = task_result(eps, _scored(eps, lambda c: [-1] * 3), RLAnythingConfig(), True)
+    m = class_accuracy([always], "rm")
+    assert m == {"rm_plus_acc": 0.0, "rm_minus_acc": 1.0, "rm_balanced_acc": 0.5, "rm_mu": 1.0}
+    assert always.rm_plus == (0, 3 * n_plus)
+    # Its target: R = O - 1 is 0 on successful rollouts (no target) and -2 on failed ones.
+    assert always.target_plus[0] == 0 and always.target_minus[0] == always.target_minus[1]
+    oracle = task_result(eps, _scored(eps, lambda c: [1 if c.progress else -1] * 3),
+                         RLAnythingConfig(), True)
+    m = class_accuracy([oracle], "rm") | class_accuracy([oracle], "target")
+    assert m["rm_balanced_acc"] == 1.0 and m["rm_mu"] == 2.0
+    # The target is the sign of O + mean score: right on every progress step of a successful
+    # rollout, and on every no-progress step of a failed one.
+    assert m["target_balanced_acc"] > 0.5 and m["target_plus_acc"] > 0
+    assert class_accuracy([], "rm")["rm_balanced_acc"] is None

@@ -329,7 +329,7 @@ def _rm(rm: dict[str, Any]) -> dict[str, Any]:
 def table_rows(summary: dict[str, Any]) -> dict[str, Any]:
     """The summary's rows, recomputed from its runs when it predates a measure."""
     rows = summary["rows"]
-    if all("rm_balanced_acc_after" in t for t in rows.values()):
+    if all("success_change" in t and "rm_balanced_acc_after" in t for t in rows.values()):
         return rows
     return summarize(summary["runs"], summary["seeds"], summary["steps"],
                      summary.get("rm_label_noise", 0.0), summary.get("seconds", 0.0))["rows"]
@@ -339,9 +339,30 @@ def summarize(runs: dict[str, dict[str, Any]], seeds: list[int], steps: int,
               label_noise: float, seconds: float) -> dict[str, Any]:
     """Per row: mean and spread over seeds of each measure, before and after."""
     table = {}
+    base = runs.get("policy", {})
+
+    def change(r: dict[str, Any], key: Callable[[dict[str, Any]], float | None]) -> float | None:
+        a, b = key(r["after"]), key(r["before"])
+        return None if a is None or b is None else a - b
+
+    def success(m: dict[str, Any]) -> float | None:
+        return m["success"]
+
+    def rm_bal(m: dict[str, Any]) -> float | None:
+        return _rm(m["rm"])["balanced_acc"]
+
     for row, by_seed in runs.items():
         rs = list(by_seed.values())
         table[row] = {
+            # Paired per seed: a row's after minus its before (the same held-out tasks and
+            # starting weights), and its after minus the policy-only row's after.
+            "success_change": _spread([change(r, success) for r in rs]),
+            "rm_balanced_change": _spread([change(r, rm_bal) for r in rs]),
+            "success_vs_policy": _spread([r["after"]["success"] - base[s]["after"]["success"]
+                                          for s, r in by_seed.items()
+                                          if row != "policy" and s in base]),
+            "difficulty_after": _spread([r.get("env_adapter", {}).get("mean_active_difficulty")
+                                         for r in rs]),
             "seeds": list(by_seed),
             "success_before": _spread([r["before"]["success"] for r in rs]),
             "success_after": _spread([r["after"]["success"] for r in rs]),
@@ -379,6 +400,20 @@ def table_markdown(summary: dict[str, Any]) -> str:
             f"| {cell(t['rm_balanced_acc_after'], False)} "
             f"| {cell(t['rm_plus_acc_after'], False)} | {cell(t['rm_minus_acc_after'], False)} "
             f"| {cell(t['accepted_rewrites'], False)} |")
+    lines += ["", "Paired over seeds (every row of a seed starts from the same weights and is "
+              "measured on the same held-out tasks and steps): the change after − before, the "
+              "row's success after minus the policy-only row's, and the mean difficulty "
+              "(0 easiest, 1 hardest) of the adapter's active tasks at the end.", "",
+              "| row | success change | success vs policy row | RM balanced acc change "
+              "| active task difficulty at the end |", "|---|---|---|---|---|"]
+    for row, t in table_rows(summary).items():
+        if "success_change" not in t:
+            continue
+        lines.append(
+            f"| {row} | {cell(t['success_change'], True)} "
+            f"| {cell(t['success_vs_policy'], True)} "
+            f"| {cell(t['rm_balanced_change'], False)} "
+            f"| {cell(t['difficulty_after'], False)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -67,6 +67,12 @@ def test_summary_gives_mean_spread_and_standard_error_over_seeds_and_a_table(tmp
     old = {**s, "rows": {k: {m: v for m, v in t.items() if "balanced" not in m}
                          for k, t in s["rows"].items()}}
     assert table_markdown(old) == md
+    # Paired: change per seed, and each row against the policy row of the same seed.
+    assert p["success_change"]["values"] == pytest.approx([0.1, -0.1])
+    assert e["success_vs_policy"]["values"] == pytest.approx([0.1])  # seed 0: 0.4 - 0.3
+    assert p["success_vs_policy"]["n"] == 0
+    assert e["rm_balanced_change"]["mean"] == pytest.approx(0.1)
+    assert "| policy+rm+env | 20.0 % | 10.0 % | 0.100 | - |" in md
     plot_table(s, tmp_path / "t.png")
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -538,6 +538,10 @@ class EnvironmentsConfig(_Section):
                                "with its write-ahead log in '<buffer.path>-env'.")
     seed: int = 0
 
+    def pool(self, name: str) -> str | None:
+        """The task pool ``name`` where ``task_pools`` is on, else None (no restriction)."""
+        return name if self.task_pools else None
+
 
 class CurriculumConfig(_Section):
     """Which tasks the env runners get (``clawray/curriculum``)."""

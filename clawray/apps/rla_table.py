@@ -78,7 +78,8 @@ RM_EVAL_SEED = 1_000
 STEP_KEYS = ("policy_version", "rm_version", "samples", "rla_success", "rla_active_success",
              "rla_policy_rows", "rla_rm_rows", "rm_step_acc", "rm_majority_acc",
              "rm_plus_acc", "rm_minus_acc", "rm_balanced_acc", "rm_mu", "target_plus_acc",
-             "target_minus_acc", "target_balanced_acc", "rm_unparseable", "env_proposed", "env_accepted", "env_rejected",
+             "target_minus_acc", "target_balanced_acc", "rm_unparseable", "env_proposed",
+             "env_accepted", "env_rejected",
              "time_rollout_s", "time_rm_score_s", "time_rm_update_s")
 
 
@@ -286,7 +287,7 @@ def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], rows: list[str] |
         tasks = held_out_tasks(first, scale.eval_tasks, seed, eval_pool) * EVAL_SAMPLES
         contexts = collect_steps(policy, first, scale.eval_step_tasks, EVAL_MAX_DIFFICULTY,
                                  seed + EVAL_SEED_OFFSET,
-                                 eval_pool if first.environments_cfg.task_pools else None)
+                                 first.environments_cfg.pool(eval_pool))
 
         def done(row: str, result: dict[str, Any]) -> dict[str, Any]:
             runs[row][str(seed)] = result

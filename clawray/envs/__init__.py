@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from clawray.envs.base import (Action, Demonstration, EnvError, Param, StepResult, Task,
-                               TaskFamily, TextEnv, demo_tasks, demonstrate,
-                               Pooled, POOLS, task_pool)
+from clawray.envs.base import (POOLS, Action, Demonstration, EnvError, Param, Pooled,
+                               StepResult, Task, TaskFamily, TextEnv, demo_tasks, demonstrate,
+                               task_pool)
 
 BUILTIN = {
     "household": "clawray.envs.household:HouseholdFamily",

@@ -209,7 +209,7 @@ class EnvRunnerGroup:
             family_kwargs=e.family_kwargs, sampler=c.sampler,
             sampler_kwargs={"seed": e.seed, **c.sampler_kwargs},
             checkpoint_path=c.checkpoint_path, checkpoint_every=c.checkpoint_every,
-            max_difficulty=c.max_difficulty, pool="train" if e.task_pools else None,
+            max_difficulty=c.max_difficulty, pool=e.pool("train"),
             runtime_env=e.runtime_env)
         ray.get(self.buffer.ping.remote())
         self.runners: dict[str, Any] = {}

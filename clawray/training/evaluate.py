@@ -73,7 +73,7 @@ def held_out_tasks(cfg: ClawRayConfig, n: int, seed: int, pool: str = "test") ->
     e = cfg.environments_cfg
     family = make_family(e.family, **e.family_kwargs)
     return demo_tasks(family, n, EVAL_MAX_DIFFICULTY, seed + 7_777_777,
-                      pool if e.task_pools else None)
+                      e.pool(pool))
 
 
 def held_out_success(trainer: Any, cfg: ClawRayConfig, tasks: list[Any]) -> dict[str, Any]:

@@ -108,7 +108,8 @@ def files_digest(path: Path) -> str:
 def pools(cfg: ClawRayConfig) -> tuple[str | None, str | None]:
     """The task pools a warm start trains on and checks itself on (``train``,
     ``validation``), or none where ``environments.task_pools`` is off."""
-    return ("train", "validation") if cfg.environments_cfg.task_pools else (None, None)
+    e = cfg.environments_cfg
+    return e.pool("train"), e.pool("validation")
 
 
 def sft_key(base: Path, cfg: ClawRayConfig) -> str:

@@ -528,6 +528,15 @@ class EnvironmentsConfig(_Section):
         1.0, ge=0, le=1, description="Scale of negative advantages (1: plain GRPO; 0: learn "
         "only from the better-than-average episodes of a group). docs/environments.md: on the "
         "tiny model, pushing sampled wrong actions down also pushed the right ones down.")
+    episode_weight: float = Field(
+        1.0, ge=0, description="Weight of the episode's GRPO advantage in each row's "
+        "advantage (0: anchor-state step advantages only).")
+    step_weight: float = Field(
+        0.0, ge=0, description="Weight of the anchor-state step advantage (GiGPO): a step's "
+        "discounted return against the other steps of the group taken from the same prompt "
+        "(clawray.envs.rollout.state_advantages); 0: plain GRPO.")
+    step_gamma: float = Field(0.95, gt=0, le=1, description="Discount of the step returns "
+                              "that step_weight compares.")
     zero_advantage: Literal["keep_masked", "drop"] = Field(
         "keep_masked", description="Groups whose rollouts all scored the same carry no GRPO "
         "signal: keep their rows with loss mask 0 (logged, not trained) or drop them.")

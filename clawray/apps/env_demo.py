@@ -110,7 +110,9 @@ def run_env_learning(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS
         trainer.stop()
     train = [{"iteration": i + 1, "version": r.get("policy_version"),
               "samples": r.get("samples"), "env_success": r.get("env_success"),
-              "reward_mean": r.get("reward_mean"), "episodes_per_s": r.get("env_episodes_per_s")}
+              "reward_mean": r.get("reward_mean"), "episodes_per_s": r.get("env_episodes_per_s"),
+              "conflict_share": r.get("env_conflict_share"),
+              "anchored_share": r.get("env_anchored_share")}
              for i, r in enumerate(results)]
     return {"before": evals[0], "after": evals[-1], "evals": evals, "train": train,
             "curriculum": {k: curriculum.get(k) for k in

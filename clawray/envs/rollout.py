@@ -28,6 +28,16 @@ only through its better-than-average episodes: on the tiny household model, push
 wrong actions down also pushed the right ones down (their tokens overlap), and plain GRPO
 lowered held-out success while the positive-only update raised it (docs/environments.md).
 Episodes whose advantage becomes 0 get loss mask 0, or no rows with ``zero_advantage="drop"``.
+
+Anchor-state step advantages (GiGPO, Feng et al. 2025): the episodes of a group start from the
+same state and, while the policy is unsure, pass through the same states again. Steps whose
+prompt ids are identical (the same decision in the same context) form a step group; each step's
+discounted return ``gamma ** (T - 1 - t) * r`` is compared within it, ``(G - mean) / std``. A row's
+advantage is ``episode_weight * A_episode + step_weight * A_step``. With ``episode_weight`` 0
+only decisions that some episode of the group made better from the very same context are pushed
+down, and the push up and down of the tokens two actions share cancels in that context: the
+plain episode advantage instead pushes every step of a failed episode down, including the steps
+where it did exactly what a successful episode did (``group_diagnostics`` counts them).
 """
 
 from __future__ import annotations
@@ -156,13 +166,55 @@ def grpo_advantages(rewards: Sequence[float]) -> list[float]:
     return ((r - r.mean()) / std).tolist()
 
 
+def state_advantages(episodes: Sequence[Episode], gamma: float = 0.95) -> list[list[float]]:
+    """Per episode, per step: the anchor-state advantage ``(G - mean) / std`` of the step's
+    discounted return ``G = gamma ** (T - 1 - t) * reward`` among all steps of the group whose
+    prompt ids are the same; 0 for a context seen once or whose returns are all equal."""
+    if not 0.0 < gamma <= 1.0:
+        raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+    anchors: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for i, ep in enumerate(episodes):
+        for t, st in enumerate(ep.steps):
+            anchors.setdefault(tuple(st.prompt_ids), []).append((i, t))
+    adv = [[0.0] * len(ep.steps) for ep in episodes]
+    for members in anchors.values():
+        if len(members) < 2:
+            continue
+        returns = [episodes[i].reward * gamma ** (len(episodes[i].steps) - 1 - t)
+                   for i, t in members]
+        for (i, t), a in zip(members, grpo_advantages(returns)):
+            adv[i][t] = a
+    return adv
+
+
+def group_diagnostics(episodes: Sequence[Episode]) -> dict[str, int]:
+    """Counts that show what the plain episode advantage does to a group: ``worse_steps``
+    (steps of below-average episodes, all pushed down), ``conflict_steps`` (those whose
+    context and action equal a step of an above-average episode: pushed down there, up here),
+    ``anchored_steps`` (steps whose context recurs in the group with different returns: where
+    a step advantage has something to compare)."""
+    adv = grpo_advantages([e.reward for e in episodes])
+    better = {(tuple(st.prompt_ids), tuple(st.response_ids))
+              for ep, a in zip(episodes, adv) if a > 0 for st in ep.steps}
+    worse = [st for ep, a in zip(episodes, adv) if a < 0 for st in ep.steps]
+    state = state_advantages(episodes) if any(adv) else [[0.0] * len(e.steps) for e in episodes]
+    return {"worse_steps": len(worse),
+            "conflict_steps": sum((tuple(st.prompt_ids), tuple(st.response_ids)) in better
+                                  for st in worse),
+            "anchored_steps": sum(a != 0 for steps in state for a in steps)}
+
+
 def group_rows(episodes: Sequence[Episode], zero_advantage: str = "keep_masked",
                source: str = "env", step_weighting: str = "step",
-               negative_scale: float = 1.0) -> list[dict[str, Any]]:
+               negative_scale: float = 1.0, episode_weight: float = 1.0,
+               step_weight: float = 0.0, gamma: float = 0.95) -> list[dict[str, Any]]:
     """Sample rows of one GRPO group (every episode of one task), in episode and step order.
 
-    Zero-advantage groups are kept with loss mask 0 (``keep_masked``: written, never trained)
-    or left out (``drop``)."""
+    Each row's advantage is ``episode_weight`` × the episode's GRPO advantage (scaled per
+    ``step_weighting``) plus ``step_weight`` × its anchor-state advantage
+    (``state_advantages``); ``negative_scale`` then scales the negative ones. Zero-advantage
+    rows are kept with loss mask 0 (``keep_masked``: written, never trained) or left out
+    (``drop``)."""
     advantages = grpo_advantages([e.reward for e in episodes])
     if zero_advantage == "drop" and not any(advantages):
         return []
@@ -173,14 +225,20 @@ def group_rows(episodes: Sequence[Episode], zero_advantage: str = "keep_masked",
         raise ValueError(f"step_weighting must be 'step' or 'trajectory', got {step_weighting!r}")
     if not 0.0 <= negative_scale <= 1.0:
         raise ValueError(f"negative_scale must be in [0, 1], got {negative_scale}")
-    advantages = [a * negative_scale if a < 0 else a for a in advantages]
+    if episode_weight < 0 or step_weight < 0:
+        raise ValueError(f"episode_weight and step_weight must be >= 0, got {episode_weight}, "
+                         f"{step_weight}")
+    state = (state_advantages(episodes, gamma) if step_weight and any(advantages)
+             else [[0.0] * len(e.steps) for e in episodes])
     now = time.time()
     rows = []
-    for ep, adv in zip(episodes, advantages):
-        if adv == 0 and zero_advantage == "drop":
-            continue  # e.g. a failed episode under negative_scale 0: nothing to train
+    for ep, ep_adv, step_adv in zip(episodes, advantages, state):
         outcome = 1 if ep.success else -1
         for i, st in enumerate(ep.steps):
+            adv = episode_weight * ep_adv + step_weight * step_adv[i]
+            adv = adv * negative_scale if adv < 0 else adv
+            if adv == 0 and zero_advantage == "drop":
+                continue  # e.g. a failed episode under negative_scale 0: nothing to train
             rows.append(make_row(
                 sample_id=f"{ep.trajectory_id}/{i}", kind="rl", source=source,
                 trajectory_id=ep.trajectory_id, task_id=ep.task.task_id, step=i,

@@ -32,7 +32,7 @@ from clawray.config import ClawRayConfig
 from clawray.curriculum.actor import get_or_create_curriculum
 from clawray.envs import make_family
 from clawray.envs.base import Task
-from clawray.envs.rollout import Episode, group_rows, play_episode
+from clawray.envs.rollout import Episode, group_diagnostics, group_rows, play_episode
 from clawray.inference.engine import SamplingParams
 from clawray.models.loader import load_tokenizer, policy_model_info
 
@@ -74,7 +74,8 @@ class EnvRunner:
         self._stop = asyncio.Event()
         self.started = time.time()
         self.counts = {"groups": 0, "episodes": 0, "successes": 0, "steps": 0, "tokens": 0,
-                       "rows": 0, "group_retries": 0, "in_flight": 0}
+                       "rows": 0, "group_retries": 0, "in_flight": 0,
+                       "worse_steps": 0, "conflict_steps": 0, "anchored_steps": 0}
         self.busy_s = 0.0
 
     async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> Any:
@@ -108,9 +109,10 @@ class EnvRunner:
                     logger.warning("runner %s: group of %s failed, retrying", self.runner_id,
                                    task.task_id, exc_info=True)
                     await asyncio.sleep(0.5)
-            rows = group_rows(episodes, self.env_cfg.zero_advantage,
-                              step_weighting=self.env_cfg.step_weighting,
-                              negative_scale=self.env_cfg.negative_scale)
+            e = self.env_cfg
+            rows = group_rows(episodes, e.zero_advantage, step_weighting=e.step_weighting,
+                              negative_scale=e.negative_scale, episode_weight=e.episode_weight,
+                              step_weight=e.step_weight, gamma=e.step_gamma)
             if rows:
                 await self.buffer.add.remote(rows)  # durable before it returns
             rewards = [ep.reward for ep in episodes]
@@ -127,6 +129,8 @@ class EnvRunner:
         c["steps"] += sum(len(ep.steps) for ep in episodes)
         c["tokens"] += sum(ep.tokens for ep in episodes)
         c["rows"] += len(rows)
+        for key, n in group_diagnostics(episodes).items():
+            c[key] += n
         return True
 
     async def run(self, max_groups: int | None = None) -> dict[str, Any]:
@@ -274,7 +278,7 @@ class EnvRunnerGroup:
                 if rid in self.finished:
                     per.append(self.finished[rid])
         keys = ("groups", "episodes", "successes", "steps", "tokens", "rows", "group_retries",
-                "in_flight")
+                "in_flight", "worse_steps", "conflict_steps", "anchored_steps")
         out: dict[str, Any] = {k: sum(p.get(k, 0) for p in per) for k in keys}
         out["runners"] = len(self.runners)
         out["runner_restarts"] = self.restarts

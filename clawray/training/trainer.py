@@ -394,6 +394,12 @@ class Trainer(tune.Trainable):
             "env_tokens_per_s": (stats["tokens"] - prev.get("tokens", 0)) / dt,
             "env_success": ((stats["successes"] - prev.get("successes", 0))
                             / max(stats["episodes"] - prev.get("episodes", 0), 1)),
+            # plain GRPO pushes these down while pushing the same (context, action) up
+            # elsewhere in the group (clawray.envs.rollout.group_diagnostics)
+            "env_conflict_share": ((stats["conflict_steps"] - prev.get("conflict_steps", 0))
+                                   / max(stats["worse_steps"] - prev.get("worse_steps", 0), 1)),
+            "env_anchored_share": ((stats["anchored_steps"] - prev.get("anchored_steps", 0))
+                                   / max(stats["steps"] - prev.get("steps", 0), 1)),
             "env_runners": stats["runners"], "env_runner_restarts": stats["runner_restarts"],
             "env_released_leases": poll["released"], "env_groups": stats["groups"],
             "env_curriculum": stats["curriculum"]}

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from clawray.envs import make_family
-from clawray.envs.rollout import grpo_advantages, group_rows, play_episode, render_prompt
+from clawray.envs.rollout import (group_diagnostics, grpo_advantages, group_rows, play_episode,
+                                  render_prompt, state_advantages)
 from clawray.inference.engine import SamplingParams, TokenOutput
 from clawray.models.chat_template import IM_END
 from clawray.samples import rows_to_batch
@@ -209,3 +210,79 @@ def test_a_sub_box_keeps_a_curriculum_within_the_lower_part_of_every_axis():
     assert box.generate([1.0] * 4, 3) == inner.generate([0.4] * 4, 3)  # clipped to the sub-box
     with pytest.raises(EnvError, match="fraction"):
         SubBox(inner, 0.0)
+
+
+def _expert_then(family, task, tokenizer, k, then="dance"):
+    """The expert's first ``k`` actions, then ``then`` until the budget ends."""
+    shadow = family.make_env()
+    shadow.reset(task)
+    done = [0]
+
+    def texts_for(_prompt):
+        if done[0] >= k:
+            return then
+        done[0] += 1
+        action = shadow.expert_action()
+        shadow.step(action)
+        return action.text()
+
+    return scripted(tokenizer, texts_for)
+
+
+def _anchored_group(tokenizer):
+    """A success (the expert) and a failure that makes the expert's first move, then loops:
+    with history window 0 both start from the same prompt and share the first step."""
+    family = make_family("household")
+    task = family.generate([0.0] * 4, seed=7)
+    gens = [expert_policy(family, task, tokenizer), _expert_then(family, task, tokenizer, 1)]
+    return [asyncio.run(play_episode(family, task, g, tokenizer, PARAMS, history_window=0))
+            for g in gens]
+
+
+def test_plain_grpo_pushes_down_a_failed_episode_step_that_a_success_pushes_up(tiny_tokenizer):
+    ok, bad = _anchored_group(tiny_tokenizer)
+    assert ok.success and not bad.success and len(ok.steps) >= 2
+    assert bad.steps[0].response_ids == ok.steps[0].response_ids  # the same first move
+    d = group_diagnostics([ok, bad])
+    assert d["worse_steps"] == len(bad.steps) and d["conflict_steps"] == 1
+    rows = group_rows([ok, bad])
+    first = [r["advantage"] for r in rows if r["step"] == 0]
+    assert first == pytest.approx([1.0, -1.0])  # the same action in the same context, +1 and -1
+
+
+def test_anchor_state_advantages_compare_steps_taken_from_the_same_prompt(tiny_tokenizer):
+    ok, bad = _anchored_group(tiny_tokenizer)
+    gamma = 0.9
+    adv = state_advantages([ok, bad], gamma)
+    # step 0: the same prompt and the same action; returns gamma^(T-1) (success) and 0
+    assert adv[0][0] == pytest.approx(1.0) and adv[1][0] == pytest.approx(-1.0)
+    # step 1 of both also share a prompt (the same state): the expert's move beats "dance"
+    assert ok.steps[1].prompt_ids == bad.steps[1].prompt_ids
+    assert adv[0][1] > 0 > adv[1][1]
+    # the looping failure revisits its own state: compared only with itself, returns all 0
+    assert all(a <= 0 for a in adv[1])
+    # a context seen once has nothing to compare with
+    prompts = [tuple(s.prompt_ids) for e in (ok, bad) for s in e.steps]
+    for e, row in zip((ok, bad), adv):
+        for s, a in zip(e.steps, row):
+            if prompts.count(tuple(s.prompt_ids)) == 1:
+                assert a == 0.0
+    with pytest.raises(ValueError, match="gamma"):
+        state_advantages([ok, bad], 0.0)
+
+
+def test_step_weight_mixes_the_two_advantages_and_episode_weight_zero_keeps_only_steps(tiny_tokenizer):
+    ok, bad = _anchored_group(tiny_tokenizer)
+    st = state_advantages([ok, bad], 0.95)
+    mixed = group_rows([ok, bad], step_weight=0.5)
+    ep_adv = {ok.trajectory_id: 1.0, bad.trajectory_id: -1.0}
+    by_ep = {ok.trajectory_id: st[0], bad.trajectory_id: st[1]}
+    for r in mixed:
+        want = ep_adv[r["trajectory_id"]] + 0.5 * by_ep[r["trajectory_id"]][r["step"]]
+        assert r["advantage"] == pytest.approx(want, abs=1e-6)
+    only = group_rows([ok, bad], episode_weight=0.0, step_weight=1.0, zero_advantage="drop")
+    assert only and all(r["advantage"] != 0 for r in only)
+    assert {(r["trajectory_id"], r["step"]) for r in only} == {
+        (e.trajectory_id, t) for e, row in zip((ok, bad), st) for t, a in enumerate(row) if a}
+    with pytest.raises(ValueError, match="step_weight"):
+        group_rows([ok, bad], step_weight=-1.0)

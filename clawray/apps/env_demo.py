@@ -8,10 +8,11 @@ One seeded CPU run on the embedded tiny model:
 2. the warm-started model is served; env runners play GRPO groups of household tasks that the
    curriculum actor draws uniformly within ≤ 0.3 of every axis (the held-out distribution);
    the trainer (``training.mode: env``) updates the policy on 384-row batches at lr 2e-4 and
-   pushes weights into serving. Negative GRPO advantages are off
-   (``environments.negative_scale: 0``): on this tiny model plain GRPO lowered held-out
-   success and the positive-only update raised it (docs/environments.md, "Measured so far",
-   which also has the ALP-GMM runs);
+   pushes weights into serving. Advantages are anchor-state step advantages with negatives on
+   (``environments.step_weight: 1``, ``episode_weight: 0``, ``negative_scale: 1``): each step
+   is compared with the group's other steps taken from the same prompt. Chosen on the
+   validation pool against plain GRPO and GiGPO's sum of both (docs/environments.md,
+   "Measured so far", which also has the earlier positive-only and ALP-GMM runs);
 3. a fixed held-out task set (never trained on: its own seed) is played through serving
    before training, every ``eval_every`` iterations and at the end, sampling at the training
    temperature with fixed seeds (the same weights give the same episodes; every step has its
@@ -64,7 +65,8 @@ def env_demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED,
         environments={"family": "household", "history_window": 0, "num_runners": 2,
                       "runner_num_cpus": 0.25, "concurrency": 4, "group_size": 8,
                       "max_tokens": 16, "temperature": 1.0, "zero_advantage": "drop",
-                      "step_weighting": "trajectory", "negative_scale": 0.0,
+                      "step_weighting": "trajectory", "negative_scale": 1.0,
+                      "episode_weight": 0.0, "step_weight": 1.0,
                       "seed": seed},
         curriculum={"sampler": "uniform", "max_difficulty": EVAL_MAX_DIFFICULTY,
                     "sampler_kwargs": {}},

@@ -15,15 +15,17 @@ def test_seed_seeds_the_run_and_sft_seed_the_warm_start(tmp_path):
     c = env_demo_config(ClawRayConfig(), tmp_path, seed=2, sft_seed=0)
     assert (c.environments_cfg.seed, c.training_cfg.seed, c.sft_cfg.seed) == (2, 2, 0)
     assert c.buffer_cfg.path == str(tmp_path / "samples")
+    e = c.environments_cfg  # chosen on the validation pool (docs/environments.md)
+    assert (e.negative_scale, e.episode_weight, e.step_weight) == (1.0, 0.0, 1.0)
 
 
 def test_sets_override_the_demo_settings_last(tmp_path):
     c = env_demo_config(ClawRayConfig(), tmp_path, sets=[
         "curriculum.sampler=uniform", "curriculum.sampler_kwargs={}", "training.lr=2e-4",
-        "environments.negative_scale=1"])
+        "environments.negative_scale=0"])
     assert c.curriculum_cfg.sampler == "uniform" and c.curriculum_cfg.sampler_kwargs == {}
     assert c.training_cfg.lr == pytest.approx(2e-4)
-    assert c.environments_cfg.negative_scale == 1.0
+    assert c.environments_cfg.negative_scale == 0.0
     assert c.environments_cfg.family == "household"  # the rest stays the demo's
     with pytest.raises(ConfigError, match="expected SECTION.KEY=VALUE"):
         env_demo_config(ClawRayConfig(), tmp_path, sets=["training.lr"])

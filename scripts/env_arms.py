@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,7 @@ def arm(summary: dict[str, Any]) -> dict[str, Any]:
         v = [t[key] for t in summary["train"] if t.get(key) is not None]
         return sum(v) / len(v) if v else None
 
-    curve = [{"iteration": e["iteration"], "success": e["success"], "n": e["n"],
-              "stderr": math.sqrt(e["success"] * (1 - e["success"]) / max(e["n"], 1))}
+    curve = [{k: e[k] for k in ("iteration", "success", "stderr", "n")}
              for e in summary["evals"]]
     return {"seed": summary.get("seed"), "eval_pool": summary.get("eval_pool"),
             "sets": summary.get("sets"), "curve": curve,

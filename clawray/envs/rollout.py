@@ -169,14 +169,18 @@ def grpo_advantages(rewards: Sequence[float]) -> list[float]:
 def state_advantages(episodes: Sequence[Episode], gamma: float = 0.95) -> list[list[float]]:
     """Per episode, per step: the anchor-state advantage ``(G - mean) / std`` of the step's
     discounted return ``G = gamma ** (T - 1 - t) * reward`` among all steps of the group whose
-    prompt ids are the same; 0 for a context seen once or whose returns are all equal."""
+    prompt ids are the same; 0 for a context seen once or whose returns are all equal, and 0
+    everywhere in a group whose episodes all scored the same (no outcome signal: discounting
+    alone would rank equal outcomes by length)."""
     if not 0.0 < gamma <= 1.0:
         raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+    adv = [[0.0] * len(ep.steps) for ep in episodes]
+    if not any(grpo_advantages([e.reward for e in episodes])):
+        return adv
     anchors: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     for i, ep in enumerate(episodes):
         for t, st in enumerate(ep.steps):
             anchors.setdefault(tuple(st.prompt_ids), []).append((i, t))
-    adv = [[0.0] * len(ep.steps) for ep in episodes]
     for members in anchors.values():
         if len(members) < 2:
             continue
@@ -197,7 +201,7 @@ def group_diagnostics(episodes: Sequence[Episode]) -> dict[str, int]:
     better = {(tuple(st.prompt_ids), tuple(st.response_ids))
               for ep, a in zip(episodes, adv) if a > 0 for st in ep.steps}
     worse = [st for ep, a in zip(episodes, adv) if a < 0 for st in ep.steps]
-    state = state_advantages(episodes) if any(adv) else [[0.0] * len(e.steps) for e in episodes]
+    state = state_advantages(episodes)
     return {"worse_steps": len(worse),
             "conflict_steps": sum((tuple(st.prompt_ids), tuple(st.response_ids)) in better
                                   for st in worse),
@@ -228,7 +232,7 @@ def group_rows(episodes: Sequence[Episode], zero_advantage: str = "keep_masked",
     if episode_weight < 0 or step_weight < 0:
         raise ValueError(f"episode_weight and step_weight must be >= 0, got {episode_weight}, "
                          f"{step_weight}")
-    state = (state_advantages(episodes, gamma) if step_weight and any(advantages)
+    state = (state_advantages(episodes, gamma) if step_weight
              else [[0.0] * len(e.steps) for e in episodes])
     now = time.time()
     rows = []

@@ -389,17 +389,18 @@ class Trainer(tune.Trainable):
         now = time.perf_counter()
         dt = max(now - self._env_t, 1e-9)
         prev = self._env_prev
+
+        def new(key: str) -> float:  # the counter's growth since the last iteration
+            return stats[key] - prev.get(key, 0)
+
         out: dict[str, Any] = {
-            "env_episodes_per_s": (stats["episodes"] - prev.get("episodes", 0)) / dt,
-            "env_tokens_per_s": (stats["tokens"] - prev.get("tokens", 0)) / dt,
-            "env_success": ((stats["successes"] - prev.get("successes", 0))
-                            / max(stats["episodes"] - prev.get("episodes", 0), 1)),
+            "env_episodes_per_s": new("episodes") / dt,
+            "env_tokens_per_s": new("tokens") / dt,
+            "env_success": new("successes") / max(new("episodes"), 1),
             # plain GRPO pushes these down while pushing the same (context, action) up
             # elsewhere in the group (clawray.envs.rollout.group_diagnostics)
-            "env_conflict_share": ((stats["conflict_steps"] - prev.get("conflict_steps", 0))
-                                   / max(stats["worse_steps"] - prev.get("worse_steps", 0), 1)),
-            "env_anchored_share": ((stats["anchored_steps"] - prev.get("anchored_steps", 0))
-                                   / max(stats["steps"] - prev.get("steps", 0), 1)),
+            "env_conflict_share": new("conflict_steps") / max(new("worse_steps"), 1),
+            "env_anchored_share": new("anchored_steps") / max(new("steps"), 1),
             "env_runners": stats["runners"], "env_runner_restarts": stats["runner_restarts"],
             "env_released_leases": poll["released"], "env_groups": stats["groups"],
             "env_curriculum": stats["curriculum"]}

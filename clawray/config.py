@@ -577,6 +577,10 @@ class SFTConfig(_Section):
         1.0, ge=0, le=1, description="Demonstrations use params up to this fraction of each "
         "axis of the difficulty box (0: the easiest tasks only).")
     eval_tasks: int = Field(100, ge=0, description="Held-out tasks scored before and after.")
+    eval_temperature: float | None = Field(
+        None, ge=0, description="Sampling temperature of that held-out scoring (None: "
+        "environments.temperature). Like eval_tasks it is not part of the cache key: a cached "
+        "entry keeps the scoring it was built with.")
     live_samples: str | None = Field(
         None, description="Also imitate recorded live turns: a sample WAL folder; rows with "
         "reward > 0 are used.")

@@ -15,7 +15,7 @@ carries no signal). So before environment RL, the policy imitates the family's e
    the result: a second run with the same config returns the folder at once.
 4. Held-out tasks (``sft.eval_tasks``, a different seed) are played by the base and the
    warm-started model through clawray's own engine (seeded sampling at the runners'
-   temperature); both success rates are reported.
+   temperature, or ``sft.eval_temperature``); both success rates are reported.
 
 Point ``model.path`` at the printed folder to serve and train from it.
 """
@@ -118,7 +118,8 @@ def sft_key(base: Path, cfg: ClawRayConfig) -> str:
     parts = {"recipe": RECIPE, "base": files_digest(base), "family": e.family,
              "family_kwargs": e.family_kwargs, "history_window": e.history_window,
              "task_pools": e.task_pools,
-             "sft": cfg.sft_cfg.model_dump(exclude={"cache_dir", "eval_tasks"}),
+             "sft": cfg.sft_cfg.model_dump(exclude={"cache_dir", "eval_tasks",
+                                                     "eval_temperature"}),
              "learner": learner_settings(cfg)}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -189,8 +190,10 @@ def run_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True) -> S
                 "config": s.model_dump()}
         if held_out:
             info["eval_tasks"] = len(held_out)
-            info["success_before"] = evaluate_model(base, cfg, held_out)
-            info["success_after"] = evaluate_model(saved, cfg, held_out)
+            info["eval_temperature"] = (cfg.environments_cfg.temperature
+                                        if s.eval_temperature is None else s.eval_temperature)
+            info["success_before"] = evaluate_model(base, cfg, held_out, s.eval_temperature)
+            info["success_after"] = evaluate_model(saved, cfg, held_out, s.eval_temperature)
         return info
 
     return save_result(out, base, history["model"], describe)

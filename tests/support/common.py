@@ -56,9 +56,10 @@ class Served:
 
         return attach_live_pipeline(self.config, self.app_name)
 
-    def samples(self, expected: int = 1, timeout_s: float = 30.0, **match):
-        """Sample rows in the WAL matching ``match`` (column=value), flushing the hubs until
-        ``expected`` rows are there or ``timeout_s`` passed."""
+    def samples(self, expected: int = 1, timeout_s: float = 30.0, where=None, **match):
+        """Sample rows in the WAL matching ``match`` (column=value) and ``where(row)`` if
+        given, flushing the hubs until ``expected`` such rows are there or ``timeout_s``
+        passed."""
         import pyarrow.dataset as ds
 
         pipe = self.pipeline()
@@ -66,7 +67,8 @@ class Served:
         while True:
             pipe.flush(timeout_s)
             table = ds.dataset(str(self.samples_path), format="parquet").to_table()
-            rows = [r for r in table.to_pylist() if all(r[k] == v for k, v in match.items())]
+            rows = [r for r in table.to_pylist() if all(r[k] == v for k, v in match.items())
+                    and (where is None or where(r))]
             if len(rows) >= expected or time.time() > deadline:
                 return sorted(rows, key=lambda r: (r["turn"] or 0, r["kind"]))
             time.sleep(0.3)

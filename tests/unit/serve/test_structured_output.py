@@ -104,11 +104,24 @@ async def test_a_json_schema_answer_always_parses_and_validates(svc, prompt):
 
 
 async def test_json_object_gives_an_object(svc):
+    """Any object is allowed, so the tiny model may write one string longer than the budget
+    (greedy, near-tied logits made that happen in one suite run and not another): an answer
+    that stops is a whole object; one cut by ``max_tokens`` is the start of an object."""
     body = await chat(svc, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
-                            "temperature": 0, "response_format": {"type": "json_object"}})
-    choice = body["choices"][0]
-    assert choice["finish_reason"] == "stop"
-    assert isinstance(json.loads(choice["message"]["content"]), dict)
+                            "n": 4, "temperature": 1.0, "seed": 5,
+                            "response_format": {"type": "json_object"}})
+    stopped = 0
+    for choice in body["choices"]:
+        content = choice["message"]["content"]
+        assert content.lstrip().startswith("{"), choice
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(content), dict), choice
+            stopped += 1
+        else:
+            assert choice["finish_reason"] == "length", choice
+            with pytest.raises(json.JSONDecodeError):
+                json.loads(content)
+    assert stopped >= 1, body["choices"]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -29,7 +29,7 @@ def test_sft_trains_saves_a_loadable_model_and_is_cached_by_config(tmp_path, tin
     info = json.loads((first.path / INFO).read_text())
     assert info["rows"] > 6 and info["steps"] == 4
     assert info["nll_last"] < info["nll_first"]  # the NLL steps learn the demonstrations
-    # scored on the 2 held-out tasks (the floor on learning: tests/cpu/training/test_sft_floor_on_cpu.py)
+    # scored on the 2 held-out tasks (the floor on learning: tests/cpu/training/test_warm_start_floors_on_cpu.py)
     assert info["eval_tasks"] == 2
     assert {info["success_before"], info["success_after"]} <= {0.0, 0.5, 1.0}
     model = load_model(first.path)

@@ -2,82 +2,131 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import pytest
 
-from tests.support.common import RLA_NOTEBOOK_SCALE, Served
+from tests.support.common import REPO, RLA_NOTEBOOK_SCALE, Served
 from tests.support.serving import serve_app
 
-RLA_NOTEBOOK_TEST = "test_rlanything_notebook"
-RLA_WARM_STARTS = pytest.StashKey[tuple]()  # (the background build, its log file)
 RLA_WARM_STARTS_CMD = ["-m", "clawray.apps.cli", "rla-table", "--scale", RLA_NOTEBOOK_SCALE,
                        "--warm-starts-only"]
+FLOORS_CMD = ["-m", "tests.support.warm_start_floors"]  # + the session's cache folder
 
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """Warm starts a test needs, built in the background while the suite runs."""
+
+    test: str  # built when a test whose node id contains this is collected
+    cmd: list[str]  # python arguments
+    key: pytest.StashKey = dataclasses.field(default_factory=pytest.StashKey)  # (proc, log)
+
+
+# The RLAnything notebook runs Table 1 small from warm starts of its own (cached by settings);
+# the warm-start floor tests check a policy SFT and an RM SFT (minutes of CPU, in a folder of
+# the session's own so CI always measures a fresh build).
+BUILDS = {"rla": Build("test_rlanything_notebook", RLA_WARM_STARTS_CMD),
+          "floors": Build("test_warm_start_floors_on_cpu", FLOORS_CMD)}
+FLOORS_DIR = pytest.StashKey[str]()
 
 # The live learning test measures how much a live loop learns in 40 steps; it runs alone,
-# before the background build starts (a busy CPU changes which turns form each batch).
+# before the background builds start (a busy CPU changes which turns form each batch).
 QUIET_TESTS = ("test_demo_learning_on_cpu.py",)
-RLA_BUILD_WANTED = pytest.StashKey[bool]()
+BUILDS_WANTED = pytest.StashKey[list]()
+BUILDS_STARTED = pytest.StashKey[bool]()
 
 
 def pytest_collection_finish(session):
-    """The RLAnything notebook runs Table 1 small from warm starts that take minutes of SFT
-    to build (then cached). When it is among the tests, build them in the background at the
-    lowest CPU priority (``nice 19``) from the first test that is not a quiet one
-    (``QUIET_TESTS``) on: the tests before the notebook mostly wait on Ray, so they lend it
-    their idle cores and barely notice; the notebook's test waits for it
-    (``rla_warm_starts``)."""
+    """Builds of ``BUILDS`` whose test is among the collected ones start in the background at
+    the lowest CPU priority (``nice 19``) from the first test that is not a quiet one
+    (``QUIET_TESTS``) on: the tests before theirs mostly wait on Ray, so they lend the builds
+    their idle cores and barely notice; each test waits for its build (``wait_build``)."""
     config = session.config
-    config.stash[RLA_BUILD_WANTED] = not config.option.collectonly and any(
-        RLA_NOTEBOOK_TEST in i.nodeid for i in session.items)
+    config.stash[BUILDS_WANTED] = [] if config.option.collectonly else [
+        b for b in BUILDS.values() if any(b.test in i.nodeid for i in session.items)]
 
 
 def pytest_runtest_setup(item):
     config = item.config
-    if not config.stash.get(RLA_BUILD_WANTED, False) or RLA_WARM_STARTS in config.stash:
+    if config.stash.get(BUILDS_STARTED, False) or not config.stash.get(BUILDS_WANTED, []):
         return
     if any(q in item.nodeid for q in QUIET_TESTS):
         return
-    _start_rla_build(config)
+    config.stash[BUILDS_STARTED] = True
+    for build in config.stash[BUILDS_WANTED]:
+        _start_build(config, build)
 
 
-def _start_rla_build(config) -> None:
+def _floors_dir(config) -> str:
+    import tempfile
+
+    if FLOORS_DIR not in config.stash:
+        config.stash[FLOORS_DIR] = tempfile.mkdtemp(prefix="clawray-floors-")
+    return config.stash[FLOORS_DIR]
+
+
+def _command(config, build: Build) -> list[str]:
+    return build.cmd + ([_floors_dir(config)] if build is BUILDS["floors"] else [])
+
+
+def _start_build(config, build: Build) -> None:
     import subprocess
     import sys
     import tempfile
 
-    log = tempfile.NamedTemporaryFile("w+", prefix="clawray-rla-warm-starts-", suffix=".log",
+    log = tempfile.NamedTemporaryFile("w+", prefix="clawray-build-", suffix=".log",
                                       delete=False)
-    proc = subprocess.Popen([sys.executable, *RLA_WARM_STARTS_CMD], stdout=log,
-                            stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(19))
-    config.stash[RLA_WARM_STARTS] = (proc, Path(log.name))
+    proc = subprocess.Popen([sys.executable, *_command(config, build)], stdout=log,
+                            stderr=subprocess.STDOUT, cwd=REPO,
+                            preexec_fn=lambda: os.nice(19))
+    config.stash[build.key] = (proc, Path(log.name))
 
 
 def pytest_unconfigure(config):
-    started = config.stash.get(RLA_WARM_STARTS, None)
-    if started is not None and started[0].poll() is None:
-        started[0].kill()
+    import shutil
+
+    for build in BUILDS.values():
+        started = config.stash.get(build.key, None)
+        if started is not None and started[0].poll() is None:
+            started[0].kill()
+            started[0].wait()
+    if FLOORS_DIR in config.stash:
+        shutil.rmtree(config.stash[FLOORS_DIR], ignore_errors=True)
+
+
+def wait_build(config, build: Build, timeout_s: float = 1800) -> str:
+    """The background build's output once it is done (or the build, now, where none ran)."""
+    import subprocess
+    import sys
+
+    started = config.stash.get(build.key, None)
+    if started is None:
+        run = subprocess.run([sys.executable, *_command(config, build)], capture_output=True,
+                             text=True, timeout=timeout_s, cwd=REPO)
+        assert run.returncode == 0, run.stderr[-4000:]
+        return run.stdout
+    proc, log = started
+    proc.wait(timeout=timeout_s)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    return text
 
 
 @pytest.fixture(scope="session")
 def rla_warm_starts(pytestconfig) -> str:
-    """The background build's output, once it is done (or the build, now)."""
-    import subprocess
-    import sys
+    """The RLAnything notebook's warm starts, once built (their build's output)."""
+    return wait_build(pytestconfig, BUILDS["rla"])
 
-    started = pytestconfig.stash.get(RLA_WARM_STARTS, None)
-    if started is None:
-        run = subprocess.run([sys.executable, *RLA_WARM_STARTS_CMD], capture_output=True,
-                             text=True, timeout=1200)
-        assert run.returncode == 0, run.stderr[-4000:]
-        return run.stdout
-    proc, log = started
-    proc.wait(timeout=1200)
-    text = log.read_text()
-    assert proc.returncode == 0, text[-4000:]
-    return text
+
+@pytest.fixture(scope="session")
+def floor_warm_starts(pytestconfig) -> str:
+    """The cache folder holding the warm starts of the floor tests, once built."""
+    output = wait_build(pytestconfig, BUILDS["floors"])
+    assert "warm starts ready" in output, output[-4000:]
+    return _floors_dir(pytestconfig)
 
 
 @pytest.fixture(scope="session")

@@ -161,7 +161,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
     info = result.info
     print(f"clawray sft: {'cached' if result.cached else 'trained'} {result.path}")
     if "success_before" in info:
-        print(f"clawray sft: held-out success on {info['eval_tasks']} {info['family']} tasks: "
+        print(f"clawray sft: held-out success on {info['eval_tasks']} {info['family']} tasks "
+              f"at temperature {info.get('eval_temperature', '?')}: "
               f"{info['success_before']:.1%} -> {info['success_after']:.1%} "
               f"(NLL {info['nll_first']:.3f} -> {info['nll_last']:.3f})")
     print(f"clawray sft: use it with model.path: {result.path}")

@@ -169,34 +169,62 @@ def run_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True) -> S
     base = Path(policy_model_info(cfg).path)
     key = sft_key(base, cfg)
     out = Path(s.cache_dir).expanduser() / f"sft-{key}"
-    if (hit := cached_result(out, force)) is not None:
-        return hit
     family = make_family(cfg.environments_cfg.family, **cfg.environments_cfg.family_kwargs)
+    if (hit := cached_result(out, force)) is not None:
+        return rescored(hit, base, cfg, family)
     tokenizer = load_tokenizer(base)
     t0 = time.perf_counter()
-    train_pool, eval_pool = pools(cfg)
+    train_pool = pools(cfg)[0]
     rows = expert_rows(family, demo_tasks(family, s.tasks, s.max_difficulty, s.seed, train_pool),
                        tokenizer,
                        cfg.environments_cfg.history_window)
     if s.live_samples:
         rows += live_rows(s.live_samples)
     history = train_sft(base, cfg, rows, progress)
-    held_out = demo_tasks(family, s.eval_tasks, s.max_difficulty, s.seed + 1_000_003, eval_pool)
 
     def describe(saved: Path) -> dict[str, Any]:
         info = {"key": key, "base": str(base), "family": family.name, "rows": len(rows),
                 "demo_tasks": s.tasks, "steps": s.steps, "nll_first": history["nll"][0],
                 "nll_last": history["nll"][-1], "train_s": time.perf_counter() - t0,
                 "config": s.model_dump()}
-        if held_out:
-            info["eval_tasks"] = len(held_out)
-            info["eval_temperature"] = (cfg.environments_cfg.temperature
-                                        if s.eval_temperature is None else s.eval_temperature)
-            info["success_before"] = evaluate_model(base, cfg, held_out, s.eval_temperature)
-            info["success_after"] = evaluate_model(saved, cfg, held_out, s.eval_temperature)
-        return info
+        return {**info, **held_out_scoring(base, saved, cfg, family)}
 
     return save_result(out, base, history["model"], describe)
+
+
+def eval_settings(cfg: ClawRayConfig) -> dict[str, Any]:
+    """How the held-out scoring is asked for: its task count and sampling temperature."""
+    s = cfg.sft_cfg
+    return {"eval_tasks": s.eval_tasks,
+            "eval_temperature": (cfg.environments_cfg.temperature if s.eval_temperature is None
+                                 else s.eval_temperature)}
+
+
+def held_out_scoring(base: Path, saved: Path, cfg: ClawRayConfig, family: Any) -> dict[str, Any]:
+    """Success of ``base`` and ``saved`` on ``sft.eval_tasks`` held-out tasks (of the
+    validation pool, a seed stream of their own) at ``eval_settings``' temperature; {} when
+    no tasks are asked for."""
+    s = cfg.sft_cfg
+    held_out = demo_tasks(family, s.eval_tasks, s.max_difficulty, s.seed + 1_000_003,
+                          pools(cfg)[1])
+    if not held_out:
+        return {}
+    settings = eval_settings(cfg)
+    return {**settings, "eval_tasks": len(held_out),
+            "success_before": evaluate_model(base, cfg, held_out, settings["eval_temperature"]),
+            "success_after": evaluate_model(saved, cfg, held_out, settings["eval_temperature"])}
+
+
+def rescored(hit: SFTResult, base: Path, cfg: ClawRayConfig, family: Any) -> SFTResult:
+    """A cached entry whose held-out scoring is the one ``cfg`` asks for: the eval settings
+    are not part of the cache key (they do not change the model), so an entry scored with
+    other ones is scored again and its info file updated."""
+    wanted = eval_settings(cfg)
+    if not wanted["eval_tasks"] or all(hit.info.get(k) == v for k, v in wanted.items()):
+        return hit
+    info = {**hit.info, **held_out_scoring(base, hit.path, cfg, family)}
+    (hit.path / INFO).write_text(json.dumps(info, indent=2))
+    return SFTResult(hit.path, True, info)
 
 
 def train_sft(base: Path, cfg: ClawRayConfig, rows: list[dict[str, Any]],

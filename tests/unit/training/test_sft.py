@@ -38,7 +38,13 @@ def test_sft_trains_saves_a_loadable_model_and_is_cached_by_config(tmp_path, tin
                if not (p == base.state_dict()[n]).all()]
     assert changed  # weights differ from the base model's
     again = run_sft(cfg, progress=False)
-    assert again.cached and again.path == first.path
+    assert again.cached and again.path == first.path and again.info == first.info
+    # Another held-out scoring is not another model: the cached entry is scored again.
+    cooler = run_sft(_cfg(tmp_path).sft(eval_temperature=0.3, eval_tasks=3), progress=False)
+    assert cooler.cached and cooler.path == first.path
+    assert cooler.info["eval_temperature"] == 0.3 and cooler.info["eval_tasks"] == 3
+    assert info["eval_temperature"] == cfg.environments_cfg.temperature
+    assert json.loads((first.path / INFO).read_text())["eval_tasks"] == 3
     other = run_sft(_cfg(tmp_path).sft(steps=5), progress=False)
     assert other.path != first.path  # a different setting is a different cache entry
 

@@ -580,7 +580,7 @@ class SFTConfig(_Section):
     eval_temperature: float | None = Field(
         None, ge=0, description="Sampling temperature of that held-out scoring (None: "
         "environments.temperature). Like eval_tasks it is not part of the cache key: a cached "
-        "entry keeps the scoring it was built with.")
+        "entry scored otherwise is scored again, not retrained.")
     live_samples: str | None = Field(
         None, description="Also imitate recorded live turns: a sample WAL folder; rows with "
         "reward > 0 are used.")

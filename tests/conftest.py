@@ -22,6 +22,7 @@ class Build:
 
     test: str  # built when a test whose node id contains this is collected
     cmd: list[str]  # python arguments
+    into_session_dir: bool = False  # the session's own folder (FLOORS_DIR) is the last argument
     key: pytest.StashKey = dataclasses.field(default_factory=pytest.StashKey)  # (proc, log)
 
 
@@ -29,7 +30,7 @@ class Build:
 # the warm-start floor tests check a policy SFT and an RM SFT (minutes of CPU, in a folder of
 # the session's own so CI always measures a fresh build).
 BUILDS = {"rla": Build("test_rlanything_notebook", RLA_WARM_STARTS_CMD),
-          "floors": Build("test_warm_start_floors_on_cpu", FLOORS_CMD)}
+          "floors": Build("test_warm_start_floors_on_cpu", FLOORS_CMD, into_session_dir=True)}
 FLOORS_DIR = pytest.StashKey[str]()
 
 # The live learning test measures how much a live loop learns in 40 steps; it runs alone,
@@ -69,7 +70,7 @@ def _floors_dir(config) -> str:
 
 
 def _command(config, build: Build) -> list[str]:
-    return build.cmd + ([_floors_dir(config)] if build is BUILDS["floors"] else [])
+    return build.cmd + ([_floors_dir(config)] if build.into_session_dir else [])
 
 
 def _start_build(config, build: Build) -> None:

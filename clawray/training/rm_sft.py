@@ -47,12 +47,12 @@ from clawray.rlanything.steps import (StepContext, expert_alternatives, step_con
                                       step_rm_request)
 from clawray.samples import make_row
 from clawray.training.evaluate import play_tasks, rm_step_accuracy
-from clawray.training.sft import (SFTResult, cached_result, demo_tasks, files_digest,
-                                  learner_settings, pools, save_result, train_sft)
+from clawray.training.sft import (EVAL_SEED_OFFSET, SFTResult, cached_result, demo_tasks,
+                                  files_digest, learner_settings, pools, save_result,
+                                  train_sft)
 
 logger = logging.getLogger(__name__)
 RECIPE = "4"  # 4: tasks of the train pool, checked on validation (envs.task_pool). Bump when the rows, the step collection or the training recipe change
-EVAL_SEED_OFFSET = 1_000_003  # held-out tasks: the same offset as clawray sft's
 # The RM learns from tasks of a stream of their own: with the policy's seed they were the first
 # n of the policy's own SFT tasks, where it plays like the expert it imitated (recipe 1).
 TASK_SEED_OFFSET = 2_000_003

@@ -51,6 +51,7 @@ from clawray.training.evaluate import evaluate_model
 logger = logging.getLogger(__name__)
 RECIPE = "2"  # 2: tasks of the train pool (envs.task_pool). Bump when the rows or the training recipe change (not the eval protocol)
 INFO = "clawray_sft.json"
+EVAL_SEED_OFFSET = 1_000_003  # held-out tasks: a seed stream of their own (also rm_sft's)
 
 
 @dataclasses.dataclass
@@ -205,7 +206,7 @@ def held_out_scoring(base: Path, saved: Path, cfg: ClawRayConfig, family: Any) -
     validation pool, a seed stream of their own) at ``eval_settings``' temperature; {} when
     no tasks are asked for."""
     s = cfg.sft_cfg
-    held_out = demo_tasks(family, s.eval_tasks, s.max_difficulty, s.seed + 1_000_003,
+    held_out = demo_tasks(family, s.eval_tasks, s.max_difficulty, s.seed + EVAL_SEED_OFFSET,
                           pools(cfg)[1])
     if not held_out:
         return {}

@@ -78,8 +78,9 @@ RM_EVAL_SEED = 1_000
 STEP_KEYS = ("policy_version", "rm_version", "samples", "rla_success", "rla_active_success",
              "rla_policy_rows", "rla_rm_rows", "rm_step_acc", "rm_majority_acc",
              "rm_plus_acc", "rm_minus_acc", "rm_balanced_acc", "rm_mu", "target_plus_acc",
-             "target_minus_acc", "target_balanced_acc", "rm_unparseable", "env_proposed",
-             "env_accepted", "env_rejected",
+             "target_minus_acc", "target_balanced_acc", "trained_target_plus_acc",
+             "trained_target_minus_acc", "trained_target_balanced_acc", "rm_unparseable",
+             "env_proposed", "env_accepted", "env_rejected",
              "time_rollout_s", "time_rm_score_s", "time_rm_update_s")
 
 

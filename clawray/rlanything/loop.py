@@ -25,7 +25,9 @@ majority of m; per class ``rm_plus_acc`` = p+, ``rm_minus_acc`` = p-, ``rm_balan
 ``rm_mu`` = p+ + p-, since plain accuracy rewards the majority class), which is how RM quality
 is evaluated (the oracle never enters a reward). ``target_*`` measure the same per class for
 the consistency target the co-trainer pushes each scoring toward, sign(R) of the step's reward
-(Theorem 1: informative, balanced accuracy above 1/2, where the RM's mu > 1).
+(Theorem 1: informative, balanced accuracy above 1/2, where the RM's mu > 1), over every scored
+step; ``trained_target_*`` over the steps the co-trainer actually trains on (tasks in the RM
+band whose m scorings are rewarded unequally), measured in every row.
 
 The policy's rows use the prompt the policy actually saw: the full history, or the last
 ``environments.history_window`` exchanges when the environment's observations are Markov.
@@ -141,6 +143,11 @@ class TaskResult:
     rm_minus: tuple[int, int] = (0, 0)
     target_plus: tuple[int, int] = (0, 0)
     target_minus: tuple[int, int] = (0, 0)
+    # The same target on the steps the co-trainer trains on (``trained_target``): tasks in the
+    # RM band whose m scorings are rewarded unequally. Measured whether or not this row trains
+    # the RM, so every row reports what co-training would push toward.
+    trained_target_plus: tuple[int, int] = (0, 0)
+    trained_target_minus: tuple[int, int] = (0, 0)
 
 
 def task_result(episodes: Sequence[Episode], scored: Sequence[Sequence[ScoredStep]],
@@ -166,14 +173,17 @@ def task_result(episodes: Sequence[Episode], scored: Sequence[Sequence[ScoredSte
                 outcome=outcomes[k], advantage=float(advantages[k][i]),
                 finish_reason=st.finish_reason, created_at=now))
     rm_out: list[dict[str, Any]] = []
-    if train_rm and core.rm_task_filter(acc, *r.rm_band):
+    trained: list[tuple[bool, float]] = []  # (oracle progress, R) of the steps trained on
+    if core.rm_task_filter(acc, *r.rm_band):
         for k, steps in enumerate(scored):
             for i, s in enumerate(steps):
                 adv = core.rm_consistency_rewards(rewards[k][i], s.scores)
                 if adv is None or not s.samples:
                     continue
-                rm_out += rm_rows(s.samples, adv, episodes[k].task.task_id, i,
-                                  episodes[k].trajectory_id)
+                trained.append((s.ctx.progress, rewards[k][i]))
+                if train_rm:
+                    rm_out += rm_rows(s.samples, adv, episodes[k].task.task_id, i,
+                                      episodes[k].trajectory_id)
     critique = None
     failed = [(ep, steps) for ep, steps in zip(episodes, scored) if not ep.success]
     if failed:
@@ -199,6 +209,8 @@ def task_result(episodes: Sequence[Episode], scored: Sequence[Sequence[ScoredSte
                    zip(rewards[k], steps) if s.ctx.progress == progress and rw != 0]
         by_class[f"rm_{name}"] = (sum(v == want for v in votes), len(votes))
         by_class[f"target_{name}"] = (int(sum(t == want for t in targets)), len(targets))
+        signs = [np.sign(rw) for p, rw in trained if p == progress and rw != 0]
+        by_class[f"trained_target_{name}"] = (int(sum(t == want for t in signs)), len(signs))
     return TaskResult(acc, policy_rows, rm_out, critique, right, parseable,
                       sum(v is None for s in flat for v in s.scores),
                       sum(m == (1 if p else -1) for m, p in majority), len(majority),
@@ -306,6 +318,7 @@ class RLAnythingLoop:
                                 / max(sum(x.majority_n for x in results), 1)),
             "rm_unparseable": sum(x.rm_unparseable for x in results),
             **class_accuracy(results, "rm"), **class_accuracy(results, "target"),
+            **class_accuracy(results, "trained_target"),
             "env_accepted": len(decision.get("accepted", [])),
             "env_rejected": len(decision.get("rejected", [])),
             "env_proposed": len(decision.get("proposed", [])),

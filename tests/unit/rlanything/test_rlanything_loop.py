@@ -124,4 +124,13 @@ def test_rm_and_consistency_target_accuracy_per_class(tiny_tokenizer):
     # The target is the sign of O + mean score: right on every progress step of a successful
     # rollout, and on every no-progress step of a failed one.
     assert m["target_balanced_acc"] > 0.5 and m["target_plus_acc"] > 0
+    # Unanimous scorings are rewarded alike: the co-trainer trains on none of these steps.
+    assert oracle.trained_target_plus == oracle.trained_target_minus == (0, 0)
+    # Split scorings are trained on toward sign(R), in rows that train the RM or not.
+    split = [task_result(eps, _scored(eps, lambda c: [1, -1, 1]), RLAnythingConfig(), t)
+             for t in (True, False)]
+    assert split[0].trained_target_plus == split[1].trained_target_plus
+    n_trained = split[0].trained_target_plus[1] + split[0].trained_target_minus[1]
+    assert n_trained > 0 and n_trained == len(split[0].rm_rows) // 3  # m = 3 rows a step
+    assert split[1].rm_rows == []
     assert class_accuracy([], "rm")["rm_balanced_acc"] is None

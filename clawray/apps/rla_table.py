@@ -328,6 +328,16 @@ def _rm(rm: dict[str, Any]) -> dict[str, Any]:
     return {**rm, **balanced(rm.get("plus_acc"), rm.get("minus_acc"))}
 
 
+def _mu(rm: dict[str, Any]) -> float | None:
+    p, m = rm.get("plus_acc"), rm.get("minus_acc")
+    return None if p is None or m is None else p + m
+
+
+def _step_mean(steps: list[dict[str, Any]], key: str) -> float | None:
+    values = [s[key] for s in steps if s.get(key) is not None]
+    return float(np.mean(values)) if values else None
+
+
 def table_rows(summary: dict[str, Any]) -> dict[str, Any]:
     """The summary's rows, recomputed from its runs when it predates a measure."""
     rows = summary["rows"]
@@ -375,6 +385,13 @@ def summarize(runs: dict[str, dict[str, Any]], seeds: list[int], steps: int,
             "rm_majority_acc_before": _spread([r["before"]["rm"]["majority_acc"] for r in rs]),
             "rm_majority_acc_after": _spread([r["after"]["rm"]["majority_acc"] for r in rs]),
             "accepted_rewrites": _spread([r["accepted_total"] for r in rs]),
+            "rm_mu_before": _spread([_mu(_rm(r["before"]["rm"])) for r in rs]),
+            # Theorem 1 in the co-training data: what the consistency target sign(R) says on
+            # the steps the co-trainer trains on, against the step oracle (per seed, the mean
+            # over its steps; results that predate the measure have none).
+            **{f"target_{k}": _spread([_step_mean(r["steps"], f"trained_target_{k}")
+                                       for r in rs])
+               for k in ("plus_acc", "minus_acc", "balanced_acc")},
         }
     return {"rows": table, "runs": runs, "seeds": seeds, "steps": steps,
             "rm_label_noise": label_noise, "seconds": seconds}
@@ -416,6 +433,22 @@ def table_markdown(summary: dict[str, Any]) -> str:
             f"| {cell(t['success_vs_policy'], True)} "
             f"| {cell(t['rm_balanced_change'], False)} "
             f"| {cell(t['difficulty_after'], False)} |")
+    theorem = {row: t for row, t in table_rows(summary).items()
+               if t.get("target_balanced_acc", {}).get("mean") is not None}
+    if theorem:
+        lines += ["", "Theorem 1 in the co-training data: the RM's μ = p₊ + p₋ before, the "
+                  "consistency target sign(R) against the step oracle on the steps the "
+                  "co-trainer trains on (RM-band tasks, unequally rewarded scorings; per seed "
+                  "the mean over its steps, measured in every row), and the RM's balanced "
+                  "accuracy change where it was co-trained.", "",
+                  "| row | RM μ before | target p₊ | target p₋ | target balanced acc "
+                  "| RM balanced acc change |", "|---|---|---|---|---|---|"]
+        for row, t in theorem.items():
+            lines.append(
+                f"| {row} | {cell(t['rm_mu_before'], False)} "
+                f"| {cell(t['target_plus_acc'], False)} | {cell(t['target_minus_acc'], False)} "
+                f"| {cell(t['target_balanced_acc'], False)} "
+                f"| {cell(t['rm_balanced_change'], False)} |")
     return "\n".join(lines) + "\n"
 
 

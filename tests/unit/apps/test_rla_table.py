@@ -77,6 +77,28 @@ def test_summary_gives_mean_spread_and_standard_error_over_seeds_and_a_table(tmp
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_theorem_1_table_gives_the_rms_mu_and_the_consistency_targets_agreement():
+    """Per seed the mean over steps of the trained target's per-class agreement (a step
+    without a class is left out), then mean and standard error over seeds; no table where no
+    run measured it."""
+    a, b = run((0.2, 0.3), (0.7, 0.8), [0, 0]), run((0.2, 0.1), (0.7, 0.6), [0, 0])
+    a["steps"][0] |= {"trained_target_plus_acc": 0.2, "trained_target_minus_acc": 1.0,
+                      "trained_target_balanced_acc": 0.6}
+    a["steps"][1] |= {"trained_target_plus_acc": 0.4, "trained_target_minus_acc": 0.8,
+                      "trained_target_balanced_acc": 0.6}
+    b["steps"][0] |= {"trained_target_plus_acc": None, "trained_target_minus_acc": 0.9,
+                      "trained_target_balanced_acc": None}
+    s = summarize({"policy+rm": {"0": a, "1": b}}, [0, 1], 2, 0.0, 1.0)
+    t = s["rows"]["policy+rm"]
+    assert t["target_plus_acc"]["values"] == pytest.approx([0.3])  # seed 1 had no progress step
+    assert t["target_minus_acc"]["values"] == pytest.approx([0.9, 0.9])
+    assert t["rm_mu_before"]["mean"] == pytest.approx(1.2)  # p+ 0.7 + p- 0.5
+    md = table_markdown(s)
+    assert "| policy+rm | 1.200 ± 0.000 | 0.300 | 0.900 ± 0.000 | 0.600 | 0.000 ± 0.100 |" in md
+    assert "Theorem 1" not in table_markdown(summarize({"policy": {"0": run(
+        (0.2, 0.3), (0.7, 0.7), [0])}}, [0], 1, 0.0, 1.0))
+
+
 def test_a_measure_nobody_could_take_is_a_dash_not_a_crash():
     none = {"success": 0.0, "rm": {"step_acc": None, "majority_acc": None, "plus_acc": None,
                                    "minus_acc": None}}

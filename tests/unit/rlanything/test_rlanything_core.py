@@ -57,6 +57,19 @@ def test_step_rewards_stay_in_minus_two_to_two_at_lambda_one():
             assert -2.0 <= r <= 2.0
 
 
+def test_at_lambda_one_the_consistency_target_is_the_outcome_or_nothing():
+    """sign(R) is O or 0 for every m-tuple of scores at λ = 1 (so on a failed rollout the RM
+    is never pushed toward +1, docs/rlanything.md "Theorem 1 measured"); a larger λ lets
+    unanimous scores outvote the outcome."""
+    for outcome in (1, -1):
+        for scores in itertools.product((1, -1, None), repeat=3):
+            (r,) = step_rewards(outcome, [list(scores)])
+            assert math.copysign(1, r) == outcome or r == 0, (outcome, scores, r)
+    assert step_rewards(-1, [[1, 1, 1]]) == [0.0]
+    assert step_rewards(-1, [[1, 1, 1]], lam=2.0) == [1.0]
+    assert step_rewards(1, [[-1, -1, -1]], lam=2.0) == [-1.0]
+
+
 @pytest.mark.parametrize("outcome, scores, message", [
     (0, [[1]], "outcome must be +1 (success) or -1 (failure), got 0"),
     (True, [[1]], "outcome must be +1 (success) or -1 (failure), got True"),

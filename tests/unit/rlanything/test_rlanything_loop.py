@@ -104,7 +104,7 @@ def test_without_rm_training_or_samples_there_are_no_rm_rows(tiny_tokenizer):
 def test_rm_and_consistency_target_accuracy_per_class(tiny_tokenizer):
     """p+ / p- of the RM's scorings and of the consistency target sign(R), per step oracle
     class: an RM that always says -1 has p+ 0, p- 1 (balanced 1/2, mu 1) however often it is
-    'right'; with an informative RM the target follows the oracle (Theorem 1)."""
+    'right'; the target is the outcome (or nothing), so it follows the oracle only partly."""
     from clawray.rlanything.loop import class_accuracy
 
     eps = _episodes(tiny_tokenizer, 2, 2)

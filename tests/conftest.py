@@ -40,10 +40,10 @@ BUILDS_WANTED = pytest.StashKey[list]()
 BUILDS_STARTED = pytest.StashKey[bool]()
 
 
-# The builds keep torch's default threads: the floors were measured on builds with 2 threads,
-# and a build's numerics follow its thread count (the same floors recipe built on 1 thread gave
-# the policy 0.14 instead of 0.20 and, on that policy's steps, an RM at chance: balanced 0.53).
-BUILD_ENV: dict[str, str] = {}
+# The builds keep torch's default threads (no OMP_NUM_THREADS=1): the floors were measured on
+# builds with 2 threads, and a build's numerics follow its thread count (the same floors recipe
+# built on 1 thread gave the policy 0.14 instead of 0.20 and, on that policy's steps, an RM at
+# chance: balanced 0.53).
 BUILD_CHAIN = pytest.StashKey[dict]()
 
 
@@ -104,7 +104,6 @@ def _start_chain(config, builds: list[Build]) -> None:
                                                   delete=False)
                 proc = subprocess.Popen([sys.executable, *args], stdout=log,
                                         stderr=subprocess.STDOUT, cwd=REPO,
-                                        env={**os.environ, **BUILD_ENV},
                                         preexec_fn=lambda: os.nice(19))
                 config.stash[build.key] = (proc, Path(log.name))
                 chain["pending"].remove(build.key)
@@ -145,8 +144,7 @@ def wait_build(config, build: Build, timeout_s: float = 1800) -> str:
     started = config.stash.get(build.key, None)
     if started is None:
         run = subprocess.run([sys.executable, *_command(config, build)], capture_output=True,
-                             text=True, timeout=timeout_s, cwd=REPO,
-                             env={**os.environ, **BUILD_ENV})
+                             text=True, timeout=timeout_s, cwd=REPO)
         assert run.returncode == 0, run.stderr[-4000:]
         return run.stdout
     proc, log = started

@@ -328,11 +328,6 @@ def _rm(rm: dict[str, Any]) -> dict[str, Any]:
     return {**rm, **balanced(rm.get("plus_acc"), rm.get("minus_acc"))}
 
 
-def _mu(rm: dict[str, Any]) -> float | None:
-    p, m = rm.get("plus_acc"), rm.get("minus_acc")
-    return None if p is None or m is None else p + m
-
-
 def _step_mean(steps: list[dict[str, Any]], key: str) -> float | None:
     values = [s[key] for s in steps if s.get(key) is not None]
     return float(np.mean(values)) if values else None
@@ -385,7 +380,7 @@ def summarize(runs: dict[str, dict[str, Any]], seeds: list[int], steps: int,
             "rm_majority_acc_before": _spread([r["before"]["rm"]["majority_acc"] for r in rs]),
             "rm_majority_acc_after": _spread([r["after"]["rm"]["majority_acc"] for r in rs]),
             "accepted_rewrites": _spread([r["accepted_total"] for r in rs]),
-            "rm_mu_before": _spread([_mu(_rm(r["before"]["rm"])) for r in rs]),
+            "rm_mu_before": _spread([_rm(r["before"]["rm"])["mu"] for r in rs]),
             # Theorem 1 in the co-training data: what the consistency target sign(R) says on
             # the steps the co-trainer trains on, against the step oracle (per seed, the mean
             # over its steps; results that predate the measure have none).

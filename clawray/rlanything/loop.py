@@ -25,8 +25,9 @@ majority of m; per class ``rm_plus_acc`` = p+, ``rm_minus_acc`` = p-, ``rm_balan
 ``rm_mu`` = p+ + p-, since plain accuracy rewards the majority class), which is how RM quality
 is evaluated (the oracle never enters a reward). ``target_*`` measure the same per class for
 the consistency target the co-trainer pushes each scoring toward, sign(R) of the step's reward
-(at lambda = 1 the trajectory outcome or 0, so it agrees with the step oracle only as far as the
-outcome does: docs/rlanything.md, "Theorem 1 measured"), over every scored step; ``trained_target_*`` over the steps the co-trainer actually trains on (tasks in the RM
+(at lambda = 1 the trajectory outcome or 0, so it agrees with the step oracle only as far as
+the outcome does: docs/rlanything.md, "Theorem 1 in the co-training data"), over every scored
+step; ``trained_target_*`` over the steps the co-trainer actually trains on (tasks in the RM
 band whose m scorings are rewarded unequally), measured in every row.
 
 The policy's rows use the prompt the policy actually saw: the full history, or the last

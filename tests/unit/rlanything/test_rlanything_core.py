@@ -59,8 +59,8 @@ def test_step_rewards_stay_in_minus_two_to_two_at_lambda_one():
 
 def test_at_lambda_one_the_consistency_target_is_the_outcome_or_nothing():
     """sign(R) is O or 0 for every m-tuple of scores at λ = 1 (so on a failed rollout the RM
-    is never pushed toward +1, docs/rlanything.md "Theorem 1 measured"); a larger λ lets
-    unanimous scores outvote the outcome."""
+    is never pushed toward +1, docs/rlanything.md "Theorem 1 in the co-training data"); a
+    larger λ lets unanimous scores outvote the outcome."""
     for outcome in (1, -1):
         for scores in itertools.product((1, -1, None), repeat=3):
             (r,) = step_rewards(outcome, [list(scores)])

@@ -29,6 +29,7 @@ from typing import Any
 from clawray.apps.launch import start_serving
 from clawray.config import ClawRayConfig
 from clawray.models.loader import policy_model_info
+from clawray.sessions.pipeline import attach_live_pipeline
 from clawray.sim.preferences import BriefReplies
 from clawray.sim.users import SimUser, evaluate, make_client
 from clawray.training.trainer import Trainer
@@ -198,6 +199,10 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
     finally:
         pool.stop()
         trainer.stop()
+    judging = attach_live_pipeline(cfg, cfg.training_cfg.app).judging()
+    log(f"clawray demo: {judging['judged']} turns judged, {judging['unjudged']} unjudged, "
+        f"{judging['no_next_state']} without a next state; {judging['judge_timeouts']} of "
+        f"{judging['judge_calls']} judge calls timed out")
     after = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed, pool=EVAL_POOL))
     log(f"clawray demo: after {iterations} steps, {after.rate:.1%} "
         f"(policy v{max(after.policy_versions)}; before: {before.rate:.1%})")
@@ -213,6 +218,7 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
                                  for v, (r, n) in pool.rate_by_version().items()},
         "reward_by_step": [r.get("reward_mean") for r in results],
         "samples_trained": sum(r.get("samples", 0) for r in results),
+        "judging": judging,
         "user_errors": pool.errors(),
         "eval_errors": before.errors + after.errors,
         "seconds": round(time.monotonic() - started, 1),

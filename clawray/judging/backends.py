@@ -160,18 +160,37 @@ def _rejects_n(e: Exception) -> bool:
 
 
 class ServerBackend:
-    """A ``JudgeServer`` deployment behind a Serve handle."""
+    """A ``JudgeServer`` deployment behind a Serve handle.
+
+    A call its caller gives up on (the voter's timeout cancels the awaiting task) is cancelled
+    in the JudgeServer too, whose engine then aborts it. Awaiting a Serve ``DeploymentResponse``
+    does not do that by itself: a cancelled awaiter leaves the request running on the replica.
+    Before this, every timed-out judge call (and each of its retries) kept generating on the
+    judge engine, so a judge that fell behind fell further behind.
+    """
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
 
     async def complete(self, request: JudgeRequest, n: int, temperature: float,
                        max_tokens: int) -> list[str]:
-        return await self.handle.judge.remote(request.messages, n, temperature, max_tokens)
+        return await _cancellable(self.handle.judge.remote(request.messages, n, temperature,
+                                                           max_tokens))
 
     async def teacher_logprobs(self, messages: list[dict], tools: list[dict] | None,
                                response_ids: list[int]) -> list[float]:
-        return await self.handle.teacher_logprobs.remote(messages, tools, response_ids)
+        return await _cancellable(self.handle.teacher_logprobs.remote(messages, tools,
+                                                                      response_ids))
+
+
+async def _cancellable(response: Any) -> Any:
+    """Await a Serve ``DeploymentResponse``; if the awaiting task is cancelled, cancel the
+    request on its replica as well."""
+    try:
+        return await response
+    except asyncio.CancelledError:
+        response.cancel()
+        raise
 
 
 class TeacherFrom:

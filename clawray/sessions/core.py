@@ -227,6 +227,13 @@ class SessionCore:
             if turn is not None and turn.state == "held" and now >= turn.release_at:
                 self._release(session, turn)
 
+    def resumed(self, now: float) -> None:
+        """The hub holding these sessions was down until ``now`` (a restart replayed them from
+        its journal): a user's next message could not reach it meanwhile, so the downtime is not
+        their idle time. Every session gets a whole idle window from ``now``, in its order."""
+        for session in self.sessions.values():
+            session.last_activity = max(session.last_activity, now)
+
     def drain(self) -> tuple[list[JudgeJob], list[FinishedTurn]]:
         jobs, done = self._out_jobs, self._out_done
         self._out_jobs, self._out_done = [], []

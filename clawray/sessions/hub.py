@@ -104,7 +104,9 @@ class SessionHub:
         if self.replayed:
             logger.warning("session hub %d resumed %d pending turns from its journal %s",
                            self.shard, self.replayed, self.journal.path)
-        self.core.tick(time.time())
+        # no tick here: the call that woke the hub (often the very next message of a replayed
+        # turn) is handled first, and the downtime does not count toward the idle timeout
+        self.core.resumed(time.time())
 
     # ---- admin / tests ----
     async def flush(self, timeout_s: float = 60.0) -> dict[str, Any]:

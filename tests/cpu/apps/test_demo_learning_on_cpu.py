@@ -58,4 +58,8 @@ def test_live_users_satisfaction_rises_with_training(served, tmp_path):
     assert summary["user_errors"] == 0 and summary["eval_errors"] == 0
     assert summary["eval_pool"] == "test" and summary["users_phrasing"] == "keywords"
     assert max(summary["after"]["policy_versions"]) == ITERATIONS
+    # The keyword judge answers at once: every judgeable turn is judged, no call times out.
+    judging = summary["judging"]
+    assert judging["judged"] > 0 and judging["unjudged"] == 0, judging
+    assert judging["judge_timeouts"] == 0 and judging["judge_calls"] >= judging["judged"], judging
     assert (tmp_path / "progress.png").stat().st_size > 10_000

@@ -164,3 +164,38 @@ def test_judge_server_deployment_through_serve(served, cfg, tiny_tokenizer):
     finally:
         serve.delete("judge-test")
     assert time.time() - t0 < 60
+
+
+def test_a_judge_call_its_caller_gave_up_on_stops_on_the_judge_server(served, cfg):
+    """A voter's timeout cancels its call (``VoterPool._call``); the JudgeServer stops the call
+    too instead of running it to the end. Its engine here takes 60 s a call, so a call still
+    running 10 s after its caller gave up is one nobody cancelled."""
+    from ray import serve
+
+    slow = cfg.copy_with(inference={"engine": "fixed_latency", "fixed_latency_s": 60.0})
+    app = JudgeServer.options(ray_actor_options={"num_cpus": 0}).bind(slow.to_dict())
+    serve.run(app, name="judge-slow", route_prefix=None)
+
+    async def give_up() -> float:
+        handle = serve.get_app_handle("judge-slow")
+        backend = ServerBackend(handle)
+        call = asyncio.create_task(backend.complete(build_judge_request("prm", CTX), 3, 0.6, 8))
+        deadline = time.monotonic() + 30
+        while (await handle.status.remote())["running"] == 0:
+            assert time.monotonic() < deadline, "the judge call never started"
+            await asyncio.sleep(0.05)
+        call.cancel()  # what asyncio.wait_for does to it at the voter's timeout
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        gave_up = time.monotonic()
+        while (await handle.status.remote())["running"] > 0:
+            assert time.monotonic() - gave_up < 10, \
+                "the JudgeServer still runs a call its caller gave up on"
+            await asyncio.sleep(0.05)
+        return time.monotonic() - gave_up
+
+    try:
+        stopped_after = asyncio.run(give_up())
+        print(f"the abandoned judge call stopped {stopped_after:.2f} s after its caller gave up")
+    finally:
+        serve.delete("judge-slow")

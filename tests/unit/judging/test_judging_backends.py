@@ -233,6 +233,40 @@ async def test_server_backend_calls_the_handle_methods():
                             ("teacher", (msgs, None, [3, 4]))]
 
 
+class _Pending:
+    """A Serve ``DeploymentResponse`` stand-in that never finishes; records ``cancel()``."""
+
+    def __init__(self):
+        self.cancelled = False
+        self._never = asyncio.get_running_loop().create_future()
+
+    def __await__(self):
+        return self._never.__await__()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("method", ["judge", "teacher_logprobs"])
+async def test_a_server_call_its_caller_gives_up_on_is_cancelled_on_the_server(method):
+    """A voter's timeout cancels the awaiting task; the request on the JudgeServer must be
+    cancelled with it (awaiting a DeploymentResponse does not do that by itself)."""
+    pending = []
+
+    class Handle:
+        def __getattr__(self, name):
+            assert name == method
+            return type("M", (), {"remote": lambda _self, *a: pending.append(_Pending())
+                                  or pending[-1]})()
+
+    backend = ServerBackend(Handle())
+    call = (backend.complete(REQ, 3, 0.6, 8) if method == "judge"
+            else backend.teacher_logprobs([{"role": "user", "content": "x"}], None, [1, 2]))
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(call, 0.05)
+    assert [p.cancelled for p in pending] == [True]
+
+
 async def test_teacher_server_keeps_the_judges_votes_and_scores_on_the_judge_server(fake,
                                                                                     monkeypatch):
     """judge.teacher='server': the configured backend writes votes and hints (here the rule

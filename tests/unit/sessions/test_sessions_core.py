@@ -389,3 +389,20 @@ def test_aborted_turn_is_kept_without_next_state():
     ([None, None, None], 0), ([1, 0, -1], 0), ([-1, -1, 1], -1)])
 def test_vote_majority(votes, score):
     assert score_of(votes) == score
+
+
+def test_a_resumed_hub_does_not_count_its_downtime_as_idle_time():
+    """A hub restarted at t=50 replays a turn served at t=1 (idle timeout 30): the turn's
+    session gets a whole idle window from the restart, and a next message then judges it."""
+    c = core(idle_timeout_s=30)
+    r1 = rec([SYS, user("What is 2+2?")], "4", t=0)
+    c.on_record(r1, 1)  # replayed with its original time
+    c.resumed(50)
+    c.tick(79)
+    assert c.drain() == ([], [])  # 29 s after the restart: still waiting for its next state
+    c.on_record(rec([SYS, user("What is 2+2?"), asst("4"), user("thanks!")], "bye", t=79), 79)
+    jobs, done = judge_all(c, [1, 1, 1], now=80)
+    assert [(f.record.record_id, f.status) for f in done] == [(r1.record_id, "judged")]
+    c.tick(200)  # and the idle timeout still finalizes what nobody continues
+    _, done = c.drain()
+    assert [f.status for f in done] == ["no_next_state"]

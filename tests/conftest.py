@@ -47,12 +47,15 @@ BUILDS_STARTED = pytest.StashKey[bool]()
 BUILD_CHAIN = pytest.StashKey[dict]()
 
 
+def _needs_build(item, build: Build) -> bool:
+    return build.test in item.nodeid
+
+
 def pytest_collection_modifyitems(session, config, items):
     """The tests that wait for a background build run last (in their collected order), so
     their builds have the whole suite to use the CPU the other tests leave idle."""
-    waits = [i for i in items if any(b.test in i.nodeid for b in BUILDS.values())]
-    if waits:
-        items[:] = [i for i in items if i not in waits] + waits
+    waits = [any(_needs_build(i, b) for b in BUILDS.values()) for i in items]
+    items[:] = [i for i, w in zip(items, waits) if not w] + [i for i, w in zip(items, waits) if w]
 
 
 def pytest_collection_finish(session):
@@ -63,15 +66,16 @@ def pytest_collection_finish(session):
 
     Not ``nice 19``, as before: the suite keeps both cores busy (measured: 0.1 % idle over
     30 s mid-suite), and Ray starts its workers at nice 15 (``RAY_worker_niceness``), so a
-    nice-19 build still took ~30 % of a core from each Ray worker beside it (the floors
-    build ran at 70 % of a core through the Ray tests).
+    nice-19 build still competes with them (scheduler weights 15 against 36): the floors
+    build averaged 0.7 of a core through the Ray tests and was unfinished after 28 min
+    (6 min alone); under ``SCHED_IDLE`` it got 0.14 of a core beside them.
 
     The builds run one after another: two DeepSpeed SFTs at once crawl (two ``clawray sft``
     runs side by side here: 46 s a step against 2.2 s alone, the other did not advance; an
     OpenMP team waits at every barrier for a thread the scheduler has parked)."""
     config = session.config
     config.stash[BUILDS_WANTED] = [] if config.option.collectonly else [
-        b for b in BUILDS.values() if any(b.test in i.nodeid for i in session.items)]
+        b for b in BUILDS.values() if any(_needs_build(i, b) for i in session.items)]
 
 
 def _idle_priority() -> None:

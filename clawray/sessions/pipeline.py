@@ -52,7 +52,6 @@ class LivePipeline:
                     raise
                 time.sleep(0.2)
 
-
     def judging(self, timeout_s: float = 30.0) -> dict[str, int]:
         """How the app's turns were judged so far, summed over its hubs: the turns' outcomes
         (``judged``, ``unjudged``, ``no_next_state``, ...) and the voters' calls (``calls``,

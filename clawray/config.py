@@ -291,6 +291,17 @@ class JudgeConfig(_Section):
     num_voters: int = Field(2, ge=1, description="PRMVoter actors.")
     timeout_s: float = Field(60.0, gt=0, description="Per judge call.")
     retries: int = Field(2, ge=0)
+    max_inflight: int = Field(
+        16, ge=1, description="Turns each session hub judges at once; the others wait in its "
+        "backlog, so a call's timeout counts the judge's time, not a queue's "
+        "(clawray/judging/admission.py).")
+    backlog_order: Literal["oldest", "newest"] = Field(
+        "oldest", description="Which waiting turn is judged next: 'oldest' (every turn in "
+        "order) or 'newest' (under overload, the freshest turns: the ones a learner with "
+        "buffer.max_staleness can still use).")
+    max_backlog: int | None = Field(
+        100_000, ge=0, description="Turns waiting per hub beyond this: the oldest is left "
+        "unjudged and counted as 'shed'. null: no bound.")
     opd_min_agree: int = Field(2, ge=1, description="Positive hint votes needed to use a hint.")
     hint_max_chars: int = Field(600, ge=1)
     hint_min_chars: int = Field(

@@ -104,8 +104,11 @@ def with_judge(cfg: ClawRayConfig, judge: str, log: Any = print) -> ClawRayConfi
         f"held-out wording (p+ {test['p_plus']:.2f}, p- {test['p_minus']:.2f}, p0 "
         f"{test['p_zero']:.2f})")
     # The JudgeServer is a second engine: the replicas share the 2 CPUs with the learner.
+    # It judges fewer turns than the users make; the newest waiting turns go first, the ones
+    # the learner (max_staleness 1) can still train on.
     return cfg.copy_with(judge={"backend": "server", "model_path": str(built.path), "m": 3,
-                                "temperature": 0.6, "max_tokens": 16},
+                                "temperature": 0.6, "max_tokens": 16,
+                                "backlog_order": "newest"},
                          serving={"replica_num_cpus": 0.5})
 
 

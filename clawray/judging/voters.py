@@ -3,9 +3,10 @@
 ``PRMVoter`` actors each hold a judge backend (function, JudgeServer handle or external
 endpoint) and serve many calls concurrently (async actors). ``VoterPool`` runs the ``m`` votes
 of a turn as one n=m call on one voter (a JudgeServer shares the prompt prefill across them),
-spreads turns over the voters, and bounds every call by a timeout with retries. A turn whose
-judge fails or hangs is returned as ``unjudged`` — never lost, never blocking serving — and is
-counted in the metrics.
+spreads turns over the voters, judges at most ``judge.max_inflight`` turns at once (the others
+wait in its backlog: ``admission.py``), and bounds every call by a timeout with retries. A turn
+whose judge fails or hangs, or that is shed from a full backlog, is returned as ``unjudged`` —
+never lost, never blocking serving — and is counted in the metrics.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import ray
 from ray import serve
 
 from clawray.config import JudgeConfig
+from clawray.judging.admission import Admission
 from clawray.judging.backends import JudgeUnavailable, make_backend, needs_server
 from clawray.judging.jobs import JudgeJob, Verdict
 from clawray.judging.opd import inject_hint, select_hint
@@ -63,10 +65,28 @@ class VoterPool:
         self.want_hints = bool({"opd", "combine"} & set(kinds))
         self._next = itertools.cycle(range(len(voters)))
         self.counters = {k: 0 for k in ("calls", "call_failures", "timeouts", "votes",
-                                        "parse_failures", "unjudged", "hints", "teacher_failures")}
+                                        "parse_failures", "unjudged", "hints", "teacher_failures",
+                                        "shed")}
         self.latencies: list[float] = []  # judge latencies (s) not yet exported as metrics
+        self.admission = Admission(cfg.max_inflight, cfg.backlog_order, cfg.max_backlog)
+
+    def load(self) -> dict[str, int]:
+        """Turns being judged now (``running``) and waiting for a slot (``waiting``)."""
+        return {"running": self.admission.running, "waiting": self.admission.waiting}
 
     async def judge(self, job: JudgeJob) -> Verdict:
+        """The turn's verdict, once one of the ``max_inflight`` slots is free."""
+        if not await self.admission.acquire():
+            self.counters["shed"] += 1
+            self.counters["unjudged"] += 1
+            return Verdict("unjudged", error=f"shed: more than {self.cfg.max_backlog} turns "
+                                             "waited for the judge (judge.max_backlog)")
+        try:
+            return await self._judge(job)
+        finally:
+            self.admission.release()
+
+    async def _judge(self, job: JudgeJob) -> Verdict:
         ctx = TurnContext(history=job.history, request=job.request,
                           response_text=job.record.response_text,
                           response_tool_calls=job.record.tool_calls, next_state=job.next_state)

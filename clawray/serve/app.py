@@ -88,7 +88,10 @@ def build_app(args: dict[str, Any] | ClawRayConfig | None = None) -> Application
                and cfg.rlanything_cfg.rm_backend == "server")
     if live_judge or step_rm:
         # Bound into the ingress only to keep it in the app; callers find it by name.
-        judge = JudgeServer.options(ray_actor_options=actor).bind(data)
+        # Serve's default max_ongoing_requests (5) would queue calls in the handle's router,
+        # out of the engine's sight and cancellation; the engine's own scheduler queues them.
+        judge = JudgeServer.options(ray_actor_options=actor,
+                                    max_ongoing_requests=s.max_ongoing_requests).bind(data)
     if s.layout == "colocated":
         return ingress.options(ray_actor_options=actor).bind(data, None, judge)
     policy = PolicyServer.options(num_replicas=s.policy_replicas,

@@ -132,7 +132,8 @@ class SessionHub:
                 "rows_written": self.rows_written, "write_failures": self.write_failures,
                 "replayed": self.replayed,
                 "journaled": len(self.journal.live) if self.journal is not None else None,
-                "judging_tasks": len(self.judging), "voters": dict(self.pool.counters)}
+                "judging_tasks": len(self.judging), "judge_load": self.pool.load(),
+                "voters": dict(self.pool.counters)}
 
     # ---- internals ----
     def _start(self) -> None:
@@ -232,6 +233,9 @@ class _HubMetrics:
         self.outbox = metrics.Gauge("clawray_session_outbox_rows",
                                     description="Sample rows waiting for the buffer.",
                                     tag_keys=("shard",))
+        self.backlog = metrics.Gauge("clawray_judge_backlog_turns",
+                                     description="Turns being judged (running) or waiting for "
+                                     "a judge slot (waiting).", tag_keys=("shard", "state"))
         self.latency = metrics.Histogram("clawray_judge_latency_s",
                                          description="Seconds to judge one turn.",
                                          boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60],
@@ -248,6 +252,8 @@ class _HubMetrics:
                     metric.inc(delta, tags={"shard": self.shard, "event": name})
                 self.seen[key] = value
         self.outbox.set(outbox, tags={"shard": self.shard})
+        for state, value in pool.load().items():
+            self.backlog.set(value, tags={"shard": self.shard, "state": state})
         for value in pool.latencies:
             self.latency.observe(value, tags={"shard": self.shard})
         pool.latencies.clear()

@@ -54,13 +54,14 @@ class LivePipeline:
 
     def judging(self, timeout_s: float = 30.0) -> dict[str, int]:
         """How the app's turns were judged so far, summed over its hubs: the turns' outcomes
-        (``judged``, ``unjudged``, ``no_next_state``, ...) and the voters' calls (``calls``,
-        ``timeouts``, ``call_failures``, ...; prefixed ``judge_``)."""
+        (``judged``, ``unjudged``, ``no_next_state``, ...), the voters' calls (``calls``,
+        ``timeouts``, ``call_failures``, ``shed``, ...) and the turns being judged or waiting
+        (``running``, ``waiting``), prefixed ``judge_``."""
         total: dict[str, int] = {}
         for st in ray.get([h.stats.remote() for h in self.hubs], timeout=timeout_s):
             for k in ("turns", "judge_jobs", "judged", "unjudged", "no_next_state"):
                 total[k] = total.get(k, 0) + int(st.get(k, 0))
-            for k, v in st["voters"].items():
+            for k, v in [*st["voters"].items(), *st["judge_load"].items()]:
                 total[f"judge_{k}"] = total.get(f"judge_{k}", 0) + int(v)
         return total
 

@@ -229,8 +229,20 @@ def rescored(hit: SFTResult, base: Path, cfg: ClawRayConfig, family: Any) -> SFT
 
 
 def train_sft(base: Path, cfg: ClawRayConfig, rows: list[dict[str, Any]],
-           progress: bool) -> dict[str, Any]:
-    """``sft.steps`` NLL steps on random batches of ``rows`` with one DeepSpeed rank."""
+           progress: bool, threads: int | None = None) -> dict[str, Any]:
+    """``sft.steps`` NLL steps on random batches of ``rows`` with one DeepSpeed rank; with
+    ``threads``, on that many torch threads (the same build on any machine: a different thread
+    count sums in a different order, and a small model trained for hundreds of steps lands
+    somewhere else)."""
+    if threads is not None:
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return train_sft(base, cfg, rows, progress)
+        finally:
+            torch.set_num_threads(before)
 
     s = cfg.sft_cfg
     t = cfg.training_cfg.model_copy(update={

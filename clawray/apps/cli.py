@@ -126,12 +126,30 @@ def cmd_rm_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_judge_sft(args: argparse.Namespace) -> int:
-    from clawray.sim.judge_sft import run_judge_sft
+    from clawray.sim.judge_sft import aggregate_builds, run_judge_sft
 
     cfg = apply_sets(load_config(args.config), args.set).validate()
     _prebuild(cfg)
-    result = run_judge_sft(cfg, force=args.force, n_train=args.train, n_eval=args.eval,
-                           m=args.m)
+    infos = []
+    for seed in args.seeds or [cfg.sft_cfg.seed]:
+        result = run_judge_sft(cfg.copy_with(sft={"seed": seed}), force=args.force,
+                               n_train=args.train, n_eval=args.eval, m=args.m)
+        _print_judge_build(result)
+        infos.append(result.info)
+    if args.out is not None:
+        agg = aggregate_builds(infos)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "judge_builds.json").write_text(json.dumps(agg, indent=2) + "\n")
+        for split in ("validation", "test"):
+            pm, p, m = (agg[split][f] for f in ("balanced_acc_pm", "p_plus", "p_minus"))
+            se = "" if pm["stderr"] is None else f" ± {pm['stderr']:.3f}"
+            print(f"clawray judge-sft: {agg['builds']} builds, {split}: ±1 balanced accuracy "
+                  f"{pm['mean']:.3f}{se} (min {pm['min']:.3f}; p+ {p['mean']:.2f}, "
+                  f"p- {m['mean']:.2f}); {args.out / 'judge_builds.json'}")
+    return 0
+
+
+def _print_judge_build(result: Any) -> None:
     info = result.info
     print(f"clawray judge-sft: {'cached' if result.cached else 'trained'} {result.path}")
 
@@ -149,7 +167,6 @@ def cmd_judge_sft(args: argparse.Namespace) -> int:
             if part in row["judge"]:
                 print(f"clawray judge-sft:   {part} reactions: judge {line(row['judge'][part])}")
     print(f"clawray judge-sft: use it with judge.backend: server, judge.model_path: {result.path}")
-    return 0
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
@@ -402,6 +419,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval", type=int, default=300, help="examples per held-out split")
     p.add_argument("--m", type=int, default=3, help="votes per example in the evaluation")
     p.add_argument("--force", action="store_true", help="retrain even if cached")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="build one judge per training seed (sft.seed)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write judge_builds.json: each build's held-out figures, mean ± s.e.")
     p.set_defaults(fn=cmd_judge_sft)
     from clawray.apps.rla_table import RM_LABEL_NOISE, ROWS, SCALES
 

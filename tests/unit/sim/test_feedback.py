@@ -95,3 +95,23 @@ def _keyword_examples():
         yield JudgeExample(TurnContext([], [], "x", [], [{"role": "user", "content": said}]),
                            1 if ok else -1)
     yield JudgeExample(TurnContext([], [], "x", [], [{"role": "user", "content": "Hi!"}]), 0)
+
+
+def test_judge_builds_aggregate_per_seed_figures_with_standard_errors():
+    from clawray.sim.judge_sft import FIGURES, aggregate_builds
+
+    def info(seed, pm):
+        fig = {f: 0.5 for f in FIGURES} | {"balanced_acc_pm": pm}
+        return {"seed": seed, "key": f"k{seed}", "train_s": 10.0, "recipe": "2", "n_train": 40,
+                "steps": 4, "batch_size": 2, "lr": 1e-3, "n_eval": 9, "m": 3,
+                "eval_temperature": 0.6, "validation": {"judge": fig, "heuristic": {}},
+                "test": {"judge": fig | {"p_plus": seed / 10}}}
+
+    agg = aggregate_builds([info(0, 0.6), info(1, 0.8), info(2, 0.7)])
+    assert agg["builds"] == 3 and [s["key"] for s in agg["seeds"]] == ["k0", "k1", "k2"]
+    pm = agg["test"]["balanced_acc_pm"]
+    assert pm["mean"] == pytest.approx(0.7) and pm["min"] == pytest.approx(0.6)
+    assert pm["stderr"] == pytest.approx(0.1 / 3 ** 0.5)  # sd 0.1 (n - 1), over sqrt(3)
+    assert agg["test"]["p_plus"]["mean"] == pytest.approx(0.1)
+    assert agg["settings"]["steps"] == 4
+    assert aggregate_builds([info(0, 0.6)])["test"]["balanced_acc_pm"]["stderr"] is None

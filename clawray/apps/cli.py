@@ -484,9 +484,10 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--users", type=int, default=USERS)
             p.add_argument("--seed", type=int, default=SEED)
             p.add_argument("--judge", choices=("model", "heuristic"), default=JUDGE,
-                           help="model: a judge model trained on other wording (clawray "
-                           "judge-sft, cached) on a JudgeServer; heuristic: the keyword rule "
-                           "judge, the users then speak its keywords")
+                           help="model (default): a judge model trained on other wording "
+                           "(clawray judge-sft: built once, ~25 min on 2 cores, then cached) "
+                           "on a JudgeServer; heuristic: the keyword rule judge, the users then "
+                           "speak its keywords (the loop's mechanics, no build)")
             p.add_argument("--seeds", type=int, nargs="+",
                            help="one run per seed (OUT/seed<k>, fresh weights each), then "
                                 "their mean ± standard error (OUT/demo_seeds.json, .png)")

@@ -3,13 +3,15 @@
 One command on a fresh machine (CPU, the embedded tiny model):
 
 1. starts local Ray and the Serve app (the OpenAI-compatible endpoint);
-2. measures the users' preference-satisfaction rate on a fixed evaluation set (side turns,
-   seeded sampling: never trained on, the same replies for the same weights);
+2. measures the users' preference-satisfaction rate on a fixed evaluation set of held-out
+   requests (side turns, seeded sampling: never trained on, the same replies for the same
+   weights);
 3. lets simulated users (``clawray.sim``: they want brief replies, and say so in natural
-   language) chat through the HTTP API while the trainer runs: live turns → PRM judge (the
-   heuristic rule judge reads the users' feedback) → samples → DeepSpeed update → weights
-   pushed into the serving replica, without pausing the users;
-4. measures the rate again on the same evaluation set, and writes ``progress.png`` (live
+   language) chat through the HTTP API while the trainer runs: live turns → PRM judge (a judge
+   model trained on other wording, ``clawray judge-sft``, reads the users' feedback with m
+   votes on a JudgeServer; or, with ``judge="heuristic"``, the keyword rule judge) → samples →
+   DeepSpeed update → weights pushed into the serving replica, without pausing the users;
+4. measures the rate again on a held-out evaluation set, and writes ``progress.png`` (live
    satisfaction rate per policy version and mean reward per training step),
    ``summary.json``, ``metrics.jsonl``, ``interactions.jsonl`` and the sample log.
 """

@@ -34,6 +34,7 @@ from clawray.models.loader import policy_model_info
 from clawray.sessions.pipeline import attach_live_pipeline
 from clawray.sim.preferences import BriefReplies
 from clawray.sim.users import SimUser, evaluate, make_client
+from clawray.stats import seed_stats
 from clawray.training.trainer import Trainer
 
 ITERATIONS = 40
@@ -289,18 +290,14 @@ def run_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS, users:
 
 def aggregate_demo_seeds(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """Several seeds' ``summary.json``: per seed before, after and the rise on the held-out
-    pool; over seeds their mean and standard error (n - 1 in the variance)."""
-    import numpy as np
-
+    pool; over seeds their mean and standard error (``seed_stats``)."""
     per_seed = [{"seed": s["seed"], "before": s["before"]["rate"], "after": s["after"]["rate"],
                  "rise": s["after"]["rate"] - s["before"]["rate"], "n": s["after"]["n"],
                  "per_type_before": s["before"]["per_type"],
                  "per_type_after": s["after"]["per_type"]} for s in summaries]
 
     def stat(key: str) -> dict[str, float | None]:
-        v = np.asarray([p[key] for p in per_seed], dtype=float)
-        return {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max()),
-                "stderr": float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else None}
+        return seed_stats(p[key] for p in per_seed)
 
     return {"seeds": per_seed, "runs": len(per_seed), "before": stat("before"),
             "after": stat("after"), "rise": stat("rise"),

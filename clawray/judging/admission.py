@@ -27,7 +27,6 @@ class Admission:
             raise ValueError(f"backlog order must be 'oldest' or 'newest', got {order!r}")
         self.max_inflight, self.order, self.max_backlog = max_inflight, order, max_backlog
         self.running = 0
-        self.shed = 0
         self._waiting: collections.deque[asyncio.Future[bool]] = collections.deque()
 
     @property
@@ -42,8 +41,7 @@ class Admission:
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._waiting.append(fut)
         if self.max_backlog is not None and len(self._waiting) > self.max_backlog:
-            self._waiting.popleft().set_result(False)
-            self.shed += 1
+            self._waiting.popleft().set_result(False)  # the caller counts it as shed
         try:
             return await fut
         except asyncio.CancelledError:

@@ -55,6 +55,7 @@ from clawray.sim.feedback import familiar, react
 from clawray.sim.preferences import BriefReplies, reason_of
 from clawray.sim.users import SYSTEM_PROMPT, make_request
 from clawray.training.evaluate import sampled_votes
+from clawray.stats import seed_stats
 from clawray.training.sft import (SFTResult, cached_result, files_digest, learner_settings,
                                   save_result, train_sft)
 
@@ -254,18 +255,11 @@ def aggregate_builds(infos: list[dict[str, Any]]) -> dict[str, Any]:
     """Builds of one recipe over training seeds (their ``info``): per seed its cache key, build
     time and the judge's held-out figures (``FIGURES`` on the validation and the test wording);
     over seeds each figure's mean and standard error (n - 1 in the variance)."""
-    import numpy as np
-
     per_seed = [{"seed": i["seed"], "key": i["key"], "train_s": round(i["train_s"], 1),
                  **{split: {f: i[split]["judge"][f] for f in FIGURES}
                     for split in ("validation", "test")}} for i in infos]
-
-    def stat(split: str, figure: str) -> dict[str, float | None]:
-        v = np.asarray([p[split][figure] for p in per_seed], dtype=float)
-        return {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max()),
-                "stderr": float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else None}
-
     settings = {k: infos[0][k] for k in ("recipe", "n_train", "steps", "batch_size", "lr",
                                          "n_eval", "m", "eval_temperature")}
     return {"settings": settings, "seeds": per_seed, "builds": len(per_seed),
-            **{split: {f: stat(split, f) for f in FIGURES} for split in ("validation", "test")}}
+            **{split: {f: seed_stats(p[split][f] for p in per_seed) for f in FIGURES}
+               for split in ("validation", "test")}}

@@ -45,13 +45,9 @@ def _job(i: int) -> JudgeJob:
                     [{"role": "user", "content": f"turn-{i}-next"}], rec.messages)
 
 
-def _judge_all(pool: VoterPool, n: int, stagger: float = 0.0):
-    async def main():
-        tasks = []
-        for i in range(n):
-            tasks.append(asyncio.ensure_future(pool.judge(_job(i))))
-            await asyncio.sleep(stagger)  # submitted in order, like a hub's turns
-        return await asyncio.gather(*tasks)
+def _judge_all(pool: VoterPool, n: int):
+    async def main():  # submitted in order, like a hub's turns
+        return await asyncio.gather(*(pool.judge(_job(i)) for i in range(n)))
     return asyncio.run(main())
 
 

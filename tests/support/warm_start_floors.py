@@ -1,5 +1,6 @@
 """The warm starts whose floors tests/cpu/training/test_warm_start_floors_on_cpu.py checks:
-the policy (env-demo's SFT recipe) and the step RM trained on that policy's steps.
+the policy (env-demo's SFT recipe), the step RM trained on that policy's steps, and a small
+judge model of the live loop (``clawray judge-sft``'s examples, a recipe of CI's size).
 
 tests/conftest.py builds them in the background at the lowest CPU priority from the session's
 first test on (``python -m tests.support.warm_start_floors CACHE_DIR``), so the minutes of SFT
@@ -18,6 +19,8 @@ EVAL_TASKS = 100  # held-out validation-pool tasks the policy is scored on, one 
 EVAL_TEMPERATURE = 0.5  # their sampling temperature (why: the test module's doc)
 RM_TASKS = 60  # train-pool tasks whose policy steps the RM learns from
 RM_EVAL_TASKS = 20  # held-out validation-pool tasks whose policy steps score the RM
+JUDGE_TRAIN = 2000  # judge-sft training examples (the judge_train wording, train prompts)
+JUDGE_EVAL = 100  # examples per held-out split (validation and test wording), m = 3 votes
 
 
 def policy_config(cache_dir: str) -> ClawRayConfig:
@@ -36,6 +39,14 @@ def rm_config(policy_cfg: ClawRayConfig) -> ClawRayConfig:
                                      "eval_tasks": RM_EVAL_TASKS})
 
 
+def judge_config(cache_dir: str) -> ClawRayConfig:
+    """A judge recipe of CI's size: 150 steps of 32 rows at lr 3e-3 (the demo's judge: 400
+    steps at 1e-3 on 4000 examples, 25 min), one row per forward pass (``max_pack_tokens``
+    1024 against rows of ~720 tokens: two rows packed cost twice the attention of two alone)."""
+    return (ClawRayConfig().sft(steps=150, batch_size=32, lr=3e-3, cache_dir=cache_dir, seed=0)
+            .training(max_pack_tokens=1024))
+
+
 def policy(cache_dir: str) -> Any:
     from clawray.training.sft import run_sft
 
@@ -49,6 +60,13 @@ def rm(cache_dir: str, policy_path: str) -> Any:
                       max_difficulty=0.3, progress=False)
 
 
+def judge(cache_dir: str) -> Any:
+    from clawray.sim.judge_sft import run_judge_sft
+
+    return run_judge_sft(judge_config(cache_dir), progress=False, n_train=JUDGE_TRAIN,
+                         n_eval=JUDGE_EVAL, m=3, eval_base=False)
+
+
 def main(argv: list[str]) -> int:
     [cache_dir] = argv
     built = policy(cache_dir)
@@ -56,6 +74,9 @@ def main(argv: list[str]) -> int:
           f"{built.info['success_after']:.3f})", flush=True)
     scored = rm(cache_dir, str(built.path)).info["rm_after"]
     print(f"RM: held-out balanced accuracy {scored['balanced_acc']}", flush=True)
+    judged = judge(cache_dir).info["test"]["judge"]
+    print(f"judge: ±1 balanced accuracy on the users' wording {judged['balanced_acc_pm']}",
+          flush=True)
     print("warm starts ready", flush=True)
     return 0
 

@@ -8,7 +8,8 @@ live loop's judge model, each scored on held-out data no training row comes from
   validation pool) by balanced accuracy, where the untrained model writes no verdict at all;
 - the judge model (``clawray judge-sft``, a recipe of CI's size) separates approval from
   complaint in user feedback worded in a pool it never trained on, with prompts of templates
-  it never saw, where the keyword judge is near chance.
+  it never saw, where the keyword judge finds no verdict in most of it (±1 balanced accuracy
+  about 0.2).
 
 All are seeded and small; the RM learns from the policy the first test checks. They are built
 in the background while the suite runs (tests/support/warm_start_floors.py, tests/conftest.py):

@@ -79,7 +79,8 @@ STEP_KEYS = ("policy_version", "rm_version", "samples", "rla_success", "rla_acti
              "rla_policy_rows", "rla_rm_rows", "rm_step_acc", "rm_majority_acc",
              "rm_plus_acc", "rm_minus_acc", "rm_balanced_acc", "rm_mu", "target_plus_acc",
              "target_minus_acc", "target_balanced_acc", "trained_target_plus_acc",
-             "trained_target_minus_acc", "trained_target_balanced_acc", "rm_unparseable",
+             "trained_target_minus_acc", "trained_target_balanced_acc", "rm_outcome_plus_acc",
+             "rm_outcome_minus_acc", "rm_outcome_balanced_acc", "rm_outcome_mu", "rm_unparseable",
              "env_proposed", "env_accepted", "env_rejected",
              "time_rollout_s", "time_rm_score_s", "time_rm_update_s")
 
@@ -170,8 +171,14 @@ def measure(trainer: Any, cfg: ClawRayConfig, tasks: list[Any],
     # Seeded scorings: the RM's accuracy before and after differs by its weights, not by luck.
     scored = asyncio.run(StepScorer(cfg, trainer.app).score_steps(contexts, seed=RM_EVAL_SEED))
     rm = step_accuracy([c.progress for c in contexts], [s.scores for s in scored])
+    # Against the trajectory outcome (Theorem 1's mu), on the steps an episode took (not the
+    # expert steps that top up the progress class).
+    took = [i for i, c in enumerate(contexts) if c.outcome is not None]
+    rm_outcome = step_accuracy([bool(contexts[i].outcome) for i in took],
+                               [scored[i].scores for i in took])
     return {"success": held["success"], "success_stderr": held["stderr"],
-            "episodes": held["n"], "rm": rm, "policy_version": trainer.version,
+            "episodes": held["n"], "rm": rm, "rm_outcome": rm_outcome,
+            "policy_version": trainer.version,
             "seconds": time.perf_counter() - t0}
 
 
@@ -358,6 +365,9 @@ def summarize(runs: dict[str, dict[str, Any]], seeds: list[int], steps: int,
     def rm_bal(m: dict[str, Any]) -> float | None:
         return _rm(m["rm"])["balanced_acc"]
 
+    def outcome_bal(m: dict[str, Any]) -> float | None:
+        return _rm(m.get("rm_outcome") or {})["balanced_acc"]
+
     for row, by_seed in runs.items():
         rs = list(by_seed.values())
         table[row] = {
@@ -387,6 +397,15 @@ def summarize(runs: dict[str, dict[str, Any]], seeds: list[int], steps: int,
             **{f"target_{k}": _spread([_step_mean(r["steps"], f"trained_target_{k}")
                                        for r in rs])
                for k in ("plus_acc", "minus_acc", "balanced_acc")},
+            # Theorem 1's own mu: the RM against the trajectory outcome, on the held-out steps
+            # (before / after, paired) and on each step's own rollouts (the mean over steps).
+            **{f"rm_outcome_{k}_{when}": _spread([_rm(r[when].get("rm_outcome") or {}).get(k)
+                                                  for r in rs])
+               for k in ("balanced_acc", "plus_acc", "minus_acc", "mu")
+               for when in ("before", "after")},
+            "rm_outcome_balanced_change": _spread([change(r, outcome_bal) for r in rs]),
+            "rm_outcome_mu_batches": _spread([_step_mean(r["steps"], "rm_outcome_mu")
+                                              for r in rs]),
         }
     return {"rows": table, "runs": runs, "seeds": seeds, "steps": steps,
             "rm_label_noise": label_noise, "seconds": seconds}
@@ -428,22 +447,30 @@ def table_markdown(summary: dict[str, Any]) -> str:
             f"| {cell(t['success_vs_policy'], True)} "
             f"| {cell(t['rm_balanced_change'], False)} "
             f"| {cell(t['difficulty_after'], False)} |")
+    none = {"mean": None}
     theorem = {row: t for row, t in table_rows(summary).items()
-               if t.get("target_balanced_acc", {}).get("mean") is not None}
+               if t.get("target_balanced_acc", {}).get("mean") is not None
+               or t.get("rm_outcome_mu_before", {}).get("mean") is not None}
     if theorem:
-        lines += ["", "Theorem 1 in the co-training data: the RM's μ = p₊ + p₋ before, the "
-                  "consistency target sign(R) against the step oracle on the steps the "
+        lines += ["", "Theorem 1 in the co-training data: the RM's μ = p₊ + p₋ before, against "
+                  "the step oracle and against the trajectory outcome (Theorem 1's μ: steps of "
+                  "successful episodes should score +1; the held-out steps an episode took); "
+                  "the consistency target sign(R) against the step oracle on the steps the "
                   "co-trainer trains on (RM-band tasks, unequally rewarded scorings; per seed "
-                  "the mean over its steps, measured in every row), and the RM's balanced "
-                  "accuracy change where it was co-trained.", "",
-                  "| row | RM μ before | target p₊ | target p₋ | target balanced acc "
-                  "| RM balanced acc change |", "|---|---|---|---|---|---|"]
+                  "the mean over its steps, measured in every row); and the RM's balanced "
+                  "accuracy change on the held-out steps, against each label.", "",
+                  "| row | RM μ before (step oracle) | RM μ before (outcome) | target p₊ "
+                  "| target p₋ | target balanced acc | RM balanced acc change (step oracle) "
+                  "| RM balanced acc change (outcome) |", "|---|---|---|---|---|---|---|---|"]
         for row, t in theorem.items():
             lines.append(
                 f"| {row} | {cell(t['rm_mu_before'], False)} "
-                f"| {cell(t['target_plus_acc'], False)} | {cell(t['target_minus_acc'], False)} "
-                f"| {cell(t['target_balanced_acc'], False)} "
-                f"| {cell(t['rm_balanced_change'], False)} |")
+                f"| {cell(t.get('rm_outcome_mu_before', none), False)} "
+                f"| {cell(t.get('target_plus_acc', none), False)} "
+                f"| {cell(t.get('target_minus_acc', none), False)} "
+                f"| {cell(t.get('target_balanced_acc', none), False)} "
+                f"| {cell(t['rm_balanced_change'], False)} "
+                f"| {cell(t.get('rm_outcome_balanced_change', none), False)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -28,7 +28,10 @@ the consistency target the co-trainer pushes each scoring toward, sign(R) of the
 (at lambda = 1 the trajectory outcome or 0, so it agrees with the step oracle only as far as
 the outcome does: docs/rlanything.md, "Theorem 1 in the co-training data"), over every scored
 step; ``trained_target_*`` over the steps the co-trainer actually trains on (tasks in the RM
-band whose m scorings are rewarded unequally), measured in every row.
+band whose m scorings are rewarded unequally), measured in every row. ``rm_outcome_*`` measure
+the RM's single scorings per class of the trajectory outcome instead (steps of successful
+episodes should score +1, of failed ones -1): Theorem 1's mu, agreement with the outcome, which
+is what consistency co-training trains toward.
 
 The policy's rows use the prompt the policy actually saw: the full history, or the last
 ``environments.history_window`` exchanges when the environment's observations are Markov.
@@ -149,6 +152,10 @@ class TaskResult:
     # the RM, so every row reports what co-training would push toward.
     trained_target_plus: tuple[int, int] = (0, 0)
     trained_target_minus: tuple[int, int] = (0, 0)
+    # The RM's single scorings per class of the trajectory outcome (Theorem 1's mu): steps of
+    # successful episodes scored +1 (plus), steps of failed ones scored -1 (minus).
+    rm_outcome_plus: tuple[int, int] = (0, 0)
+    rm_outcome_minus: tuple[int, int] = (0, 0)
 
 
 def task_result(episodes: Sequence[Episode], scored: Sequence[Sequence[ScoredStep]],
@@ -212,6 +219,9 @@ def task_result(episodes: Sequence[Episode], scored: Sequence[Sequence[ScoredSte
         by_class[f"target_{name}"] = (int(sum(t == want for t in targets)), len(targets))
         signs = [np.sign(rw) for p, rw in trained if p == progress and rw != 0]
         by_class[f"trained_target_{name}"] = (int(sum(t == want for t in signs)), len(signs))
+        votes = [v for ep, steps in zip(episodes, scored) if bool(ep.success) == progress
+                 for s in steps for v in s.scores if v is not None]
+        by_class[f"rm_outcome_{name}"] = (sum(v == want for v in votes), len(votes))
     return TaskResult(acc, policy_rows, rm_out, critique, right, parseable,
                       sum(v is None for s in flat for v in s.scores),
                       sum(m == (1 if p else -1) for m, p in majority), len(majority),
@@ -221,8 +231,9 @@ def task_result(episodes: Sequence[Episode], scored: Sequence[Sequence[ScoredSte
 def class_accuracy(results: Sequence[TaskResult], prefix: str) -> dict[str, float | None]:
     """p+ (progress steps called progress), p- (no-progress steps called no progress),
     their mean (balanced accuracy) and mu = p+ + p- over ``results``, for the RM's single
-    scorings (``prefix`` "rm") or the co-trainer's consistency target ("target"); None where a
-    class had no step."""
+    scorings (``prefix`` "rm"), the co-trainer's consistency target ("target",
+    "trained_target"), or the RM's scorings against the trajectory outcome ("rm_outcome":
+    p+ on steps of successful episodes); None where a class had no step."""
     def rate(name: str) -> float | None:
         right = sum(getattr(x, name)[0] for x in results)
         n = sum(getattr(x, name)[1] for x in results)
@@ -319,7 +330,7 @@ class RLAnythingLoop:
                                 / max(sum(x.majority_n for x in results), 1)),
             "rm_unparseable": sum(x.rm_unparseable for x in results),
             **class_accuracy(results, "rm"), **class_accuracy(results, "target"),
-            **class_accuracy(results, "trained_target"),
+            **class_accuracy(results, "trained_target"), **class_accuracy(results, "rm_outcome"),
             "env_accepted": len(decision.get("accepted", [])),
             "env_rejected": len(decision.get("rejected", [])),
             "env_proposed": len(decision.get("proposed", [])),

@@ -41,6 +41,9 @@ class StepContext:
     progress: bool
     valid: bool
     step: int
+    # The trajectory's outcome (did the episode succeed), which Theorem 1's mu is measured
+    # against; None for a step no episode took (``expert_alternatives``).
+    outcome: bool | None = None
 
 
 def _text(msg: dict[str, Any]) -> str:
@@ -64,7 +67,7 @@ def step_contexts(episode: Episode) -> list[StepContext]:
         end = assistant[k + 1] if k + 1 < len(assistant) else len(msgs)
         observation = "\n".join(_text(m) for m in msgs[i + 1:end])
         out.append(StepContext(task_text, msgs[:i], st.text, observation, st.progress,
-                               st.valid, k))
+                               st.valid, k, bool(episode.success)))
     return out
 
 
@@ -82,7 +85,7 @@ def expert_alternatives(family: TaskFamily, episode: Episode) -> list[StepContex
         action = shadow.expert_action()
         result = shadow.step(action)
         out.append(dataclasses.replace(
-            ctx, action=action.text(), progress=result.progress, valid=result.valid,
+            ctx, action=action.text(), progress=result.progress, valid=result.valid, outcome=None,
             observation="\n".join(_text(m) for m in result.messages)))
         env.step(env.as_action(st.text))
     return out

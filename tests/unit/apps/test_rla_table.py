@@ -94,9 +94,27 @@ def test_theorem_1_table_gives_the_rms_mu_and_the_consistency_targets_agreement(
     assert t["target_minus_acc"]["values"] == pytest.approx([0.9, 0.9])
     assert t["rm_mu_before"]["mean"] == pytest.approx(1.2)  # p+ 0.7 + p- 0.5
     md = table_markdown(s)
-    assert "| policy+rm | 1.200 ± 0.000 | 0.300 | 0.900 ± 0.000 | 0.600 | 0.000 ± 0.100 |" in md
+    assert ("| policy+rm | 1.200 ± 0.000 | - | 0.300 | 0.900 ± 0.000 | 0.600 | 0.000 ± 0.100 "
+            "| - |") in md
     assert "Theorem 1" not in table_markdown(summarize({"policy": {"0": run(
         (0.2, 0.3), (0.7, 0.7), [0])}}, [0], 1, 0.0, 1.0))
+
+
+def test_theorem_1_against_the_outcome_is_paired_per_seed_and_in_the_table():
+    """The RM against the trajectory outcome (Theorem 1's mu) on the held-out steps, before and
+    after, paired per seed; a run without the measure (older results) leaves it out."""
+    a, b = run((0.2, 0.3), (0.7, 0.8), [0, 0]), run((0.2, 0.1), (0.7, 0.6), [0, 0])
+    a["before"]["rm_outcome"] = {"plus_acc": 0.6, "minus_acc": 0.8}  # mu 1.4, balanced 0.7
+    a["after"]["rm_outcome"] = {"plus_acc": 0.8, "minus_acc": 0.8}  # balanced 0.8
+    a["steps"][0]["rm_outcome_mu"], a["steps"][1]["rm_outcome_mu"] = 1.2, 1.4
+    s = summarize({"policy+rm": {"0": a, "1": b}}, [0, 1], 2, 0.0, 1.0)
+    t = s["rows"]["policy+rm"]
+    assert t["rm_outcome_mu_before"]["values"] == pytest.approx([1.4])
+    assert t["rm_outcome_balanced_acc_after"]["values"] == pytest.approx([0.8])
+    assert t["rm_outcome_balanced_change"]["values"] == pytest.approx([0.1])
+    assert t["rm_outcome_mu_batches"]["values"] == pytest.approx([1.3])
+    md = table_markdown(s)
+    assert "| policy+rm | 1.200 ± 0.000 | 1.400 | - | - | - | 0.000 ± 0.100 | 0.100 |" in md
 
 
 def test_a_measure_nobody_could_take_is_a_dash_not_a_crash():

@@ -134,3 +134,36 @@ def test_rm_and_consistency_target_accuracy_per_class(tiny_tokenizer):
     assert n_trained > 0 and n_trained == len(split[0].rm_rows) // 3  # m = 3 rows a step
     assert split[1].rm_rows == []
     assert class_accuracy([], "rm")["rm_balanced_acc"] is None
+
+
+
+def test_rm_accuracy_against_the_trajectory_outcome(tiny_tokenizer):
+    """Theorem 1's mu is the RM's agreement with the trajectory outcome, not the step oracle:
+    an RM that answers the outcome is right on every scoring; the step oracle is wrong on the
+    failed episodes' progress steps."""
+    from clawray.rlanything.loop import class_accuracy
+
+    eps = _episodes(tiny_tokenizer, 2, 1)
+    # An expert cut off after two steps: progress steps in a failed episode.
+    family = make_family("household")
+    task = eps[0].task
+    eps.append(asyncio.run(play_episode(family, task, expert_policy(family, task, tiny_tokenizer),
+                                        tiny_tokenizer, PARAMS, max_steps=2)))
+    assert not eps[-1].success
+    contexts = [c for ep in eps for c in step_contexts(ep)]
+    assert [c.outcome for c in contexts] == [ep.success for ep in eps for _ in ep.steps]
+    n_ok = sum(len(ep.steps) for ep in eps if ep.success)
+    n_failed = sum(len(ep.steps) for ep in eps if not ep.success)
+    scored = [[ScoredStep(s.ctx, [1 if ep.success else -1] * 3, s.samples) for s in steps]
+              for ep, steps in zip(eps, _scored(eps, lambda c: [0] * 3))]
+    res = task_result(eps, scored, RLAnythingConfig(), True)
+    assert res.rm_outcome_plus == (3 * n_ok, 3 * n_ok)
+    assert res.rm_outcome_minus == (3 * n_failed, 3 * n_failed)
+    assert class_accuracy([res], "rm_outcome")["rm_outcome_mu"] == 2.0
+    oracle = task_result(eps, _scored(eps, lambda c: [1 if c.progress else -1] * 3),
+                         RLAnythingConfig(), True)
+    m = class_accuracy([oracle], "rm_outcome")
+    assert m["rm_outcome_plus_acc"] == 1.0  # the experts' steps all make progress
+    failed_progress = sum(c.progress for c in contexts if not c.outcome)
+    assert failed_progress == 2
+    assert oracle.rm_outcome_minus == (3 * (n_failed - failed_progress), 3 * n_failed)

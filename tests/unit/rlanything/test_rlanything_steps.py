@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -61,9 +62,13 @@ def test_expert_alternatives_are_the_experts_step_at_the_policys_own_states(tiny
     assert all(a.progress and a.valid and a.action != p.action for a, p in zip(alt, policy))
     # the invalid action changed nothing: every state is the first, so is the expert's step
     assert len({(a.action, a.observation) for a in alt}) == 1
-    # on the expert's own episode the alternatives are its steps, exactly
+    # no episode took these steps: they have no trajectory outcome
+    assert all(a.outcome is None for a in alt) and all(p.outcome is False for p in policy)
+    # on the expert's own episode the alternatives are its steps, exactly, but for the outcome
     expert = _expert_episode(tiny_tokenizer)
-    assert expert_alternatives(family, expert) == step_contexts(expert)
+    assert expert_alternatives(family, expert) == [dataclasses.replace(c, outcome=None)
+                                                   for c in step_contexts(expert)]
+    assert all(c.outcome is True for c in step_contexts(expert))
 
 
 def test_the_step_rm_request_shows_task_state_action_and_next_observation(tiny_tokenizer):

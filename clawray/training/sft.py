@@ -98,9 +98,11 @@ def live_rows(path: str) -> list[dict[str, Any]]:
 
 
 def files_digest(path: Path) -> str:
+    """What a model folder's dependants are keyed by: its files' names, sizes and times, but
+    not ``INFO`` (scores, which a rescoring rewrites without changing the model)."""
     h = hashlib.sha256()
     for f in sorted(path.iterdir()):
-        if f.is_file():
+        if f.is_file() and f.name != INFO:
             st = f.stat()
             h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
     return h.hexdigest()

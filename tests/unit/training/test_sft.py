@@ -72,3 +72,20 @@ def test_bad_family_in_config_is_a_clear_error(tmp_path):
     cfg = _cfg(tmp_path).environments(family="nosuchmodule:Family")
     with pytest.raises(EnvError, match="cannot import"):
         run_sft(cfg, progress=False)
+
+
+def test_a_rescored_model_keeps_the_digest_its_dependants_are_keyed_by(tmp_path):
+    """Rescoring a warm start rewrites its info file only: the RM built on its steps must
+    stay a cache hit. A changed weight file changes the digest."""
+    import os
+
+    from clawray.training.sft import INFO, files_digest
+
+    (tmp_path / "model.safetensors").write_bytes(b"w" * 10)
+    (tmp_path / INFO).write_text("{}")
+    before = files_digest(tmp_path)
+    (tmp_path / INFO).write_text(json.dumps({"success_after": 0.34}))
+    os.utime(tmp_path / INFO, (1, 1))
+    assert files_digest(tmp_path) == before
+    (tmp_path / "model.safetensors").write_bytes(b"w" * 11)
+    assert files_digest(tmp_path) != before

@@ -219,6 +219,7 @@ def task_result(episodes: Sequence[Episode], scored: Sequence[Sequence[ScoredSte
         by_class[f"target_{name}"] = (int(sum(t == want for t in targets)), len(targets))
         signs = [np.sign(rw) for p, rw in trained if p == progress and rw != 0]
         by_class[f"trained_target_{name}"] = (int(sum(t == want for t in signs)), len(signs))
+        # Against the outcome, the class is the episode's success instead of the step's progress.
         votes = [v for ep, steps in zip(episodes, scored) if bool(ep.success) == progress
                  for s in steps for v in s.scores if v is not None]
         by_class[f"rm_outcome_{name}"] = (sum(v == want for v in votes), len(votes))

@@ -22,6 +22,7 @@ Point ``model.path`` at the printed folder to serve and train from it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -30,7 +31,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -230,21 +231,28 @@ def rescored(hit: SFTResult, base: Path, cfg: ClawRayConfig, family: Any) -> SFT
     return SFTResult(hit.path, True, info)
 
 
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block on ``n`` torch threads, then restore the count: a different thread count
+    sums in a different order, and a small model trained for hundreds of steps lands somewhere
+    else, so a build meant to be the same on any machine pins it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def train_sft(base: Path, cfg: ClawRayConfig, rows: list[dict[str, Any]],
            progress: bool, threads: int | None = None) -> dict[str, Any]:
     """``sft.steps`` NLL steps on random batches of ``rows`` with one DeepSpeed rank; with
-    ``threads``, on that many torch threads (the same build on any machine: a different thread
-    count sums in a different order, and a small model trained for hundreds of steps lands
-    somewhere else)."""
+    ``threads``, on that many torch threads (``torch_threads``)."""
     if threads is not None:
-        import torch
-
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with torch_threads(threads):
             return train_sft(base, cfg, rows, progress)
-        finally:
-            torch.set_num_threads(before)
 
     s = cfg.sft_cfg
     t = cfg.training_cfg.model_copy(update={

@@ -10,9 +10,8 @@ same cache folder and get the cached results (or build them, where no build ran)
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from typing import Any, Iterator
+from typing import Any
 
 from clawray.config import ClawRayConfig
 
@@ -50,19 +49,13 @@ def judge_config(cache_dir: str) -> ClawRayConfig:
             .training(max_pack_tokens=1024))
 
 
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
+def one_thread() -> Any:
     """Build and score on one torch thread, as judge-sft does: the same recipe built on one
     thread and on two gives different models (and different RMs on their steps), so a floor
     measured alone holds for the suite's build only when both use the same count."""
-    import torch
+    from clawray.training.sft import torch_threads
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    return torch_threads(1)
 
 
 def policy(cache_dir: str) -> Any:

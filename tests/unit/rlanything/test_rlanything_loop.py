@@ -136,7 +136,6 @@ def test_rm_and_consistency_target_accuracy_per_class(tiny_tokenizer):
     assert class_accuracy([], "rm")["rm_balanced_acc"] is None
 
 
-
 def test_rm_accuracy_against_the_trajectory_outcome(tiny_tokenizer):
     """Theorem 1's mu is the RM's agreement with the trajectory outcome, not the step oracle:
     an RM that answers the outcome is right on every scoring; the step oracle is wrong on the

@@ -112,15 +112,26 @@ def cmd_rm_sft(args: argparse.Namespace) -> int:
     _prebuild(cfg)
     result = run_rm_sft(cfg, args.policy or cfg.model_cfg.path, force=args.force,
                         n_tasks=args.tasks, max_difficulty=args.max_difficulty,
-                        label_noise=args.label_noise)
+                        label_noise=args.label_noise,
+                        select_every=args.select_every or None,
+                        select_tasks=args.select_tasks)
     info = result.info
     print(f"clawray rm-sft: {'cached' if result.cached else 'trained'} {result.path}")
-    before, after = info.get("rm_before") or {}, info.get("rm_after") or {}
-    if after:
-        print(f"clawray rm-sft: held-out RM step accuracy {before.get('step_acc')} -> "
-              f"{after.get('step_acc')} (majority of m: {before.get('majority_acc')} -> "
-              f"{after.get('majority_acc')}; unparseable {before.get('unparseable')} -> "
-              f"{after.get('unparseable')})")
+    if "selected_step" in info:
+        print(f"clawray rm-sft: kept step {info['selected_step']} of {info['config']['steps']}"
+              f" (best on {info['validation_steps']} validation-pool steps)")
+
+    def rm(scored: dict) -> str:
+        f = (lambda v: "-" if v is None else f"{v:.3f}")
+        return (f"balanced {f(scored.get('balanced_acc'))} (p₊ {f(scored.get('plus_acc'))}, "
+                f"p₋ {f(scored.get('minus_acc'))}, μ {f(scored.get('mu'))}, unparseable "
+                f"{f(scored.get('unparseable'))})")
+
+    if info.get("rm_after"):
+        print(f"clawray rm-sft: on {info['rm_after']['n_steps']} test-pool steps: base "
+              f"{rm(info['rm_before'])} -> {rm(info['rm_after'])}")
+    if info.get("rm_last"):
+        print(f"clawray rm-sft: the last step's weights would score {rm(info['rm_last'])}")
     print(f"clawray rm-sft: use it with rlanything.rm_model_path: {result.path}")
     return 0
 
@@ -409,6 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-difficulty", type=float, default=0.5)
     p.add_argument("--label-noise", type=float, default=0.0,
                    help="flip this share of the oracle labels (an imperfect RM to co-train)")
+    p.add_argument("--select-every", type=int, default=25,
+                   help="rate the RM on validation-pool steps every N steps and keep the "
+                   "best (0: train to the last step)")
+    p.add_argument("--select-tasks", type=int, default=30,
+                   help="validation-pool tasks whose steps rate the RM")
     p.add_argument("--force", action="store_true", help="retrain even if cached")
     p.set_defaults(fn=cmd_rm_sft)
     p = sub.add_parser("judge-sft", help="train the live loop's judge model (PRM votes) on "

@@ -100,17 +100,20 @@ class Scale:
     rm_sft_steps: int | None = None  # the RM's warm start; None: as the policy's
     rm_sft_batch_size: int | None = None  # None: as the policy's
     rm_sft_lr: float | None = None  # None: as the policy's
+    rm_select_tasks: int = 30  # validation-pool tasks whose steps stop the RM's warm start
 
 
 FULL = Scale()
 # The policy's warm start is the full one (fewer SFT steps leave the tiny policy at 0 %
 # success: no group has a spread, nothing trains); the RM's is short, at a higher lr.
 SMALL = Scale(steps=2, eval_tasks=4, eval_step_tasks=2, slots=2, group_size=4, runners=1,
-              rm_tasks=20, rm_sft_steps=60, rm_sft_batch_size=8, rm_sft_lr=3e-3)
+              rm_tasks=20, rm_sft_steps=60, rm_sft_batch_size=8, rm_sft_lr=3e-3,
+              rm_select_tasks=4)
 # The machinery only (the notebook's test in CI): one step from warm starts of a few SFT steps,
 # which leave the policy near 0 % success; its figures mean nothing, its path is the same.
 TINY = Scale(steps=1, eval_tasks=2, eval_step_tasks=2, slots=2, group_size=4, runners=1,
-             sft_steps=20, rm_tasks=8, rm_sft_steps=10, rm_sft_batch_size=8, rm_sft_lr=3e-3)
+             sft_steps=20, rm_tasks=8, rm_sft_steps=10, rm_sft_batch_size=8, rm_sft_lr=3e-3,
+             rm_select_tasks=2)
 SCALES = {"full": FULL, "small": SMALL, "tiny": TINY}
 
 
@@ -157,7 +160,8 @@ def warm_starts(cfg: ClawRayConfig, sft_seed: int, label_noise: float,
     if rm_sft:
         demo = demo.copy_with(sft=rm_sft)
     rm = run_rm_sft(demo, policy, n_tasks=scale.rm_tasks, max_difficulty=EVAL_MAX_DIFFICULTY,
-                    label_noise=label_noise, progress=progress).path
+                    label_noise=label_noise, progress=progress,
+                    select_tasks=scale.rm_select_tasks).path
     return str(policy), str(rm)
 
 

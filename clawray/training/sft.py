@@ -23,6 +23,7 @@ Point ``model.path`` at the printed folder to serve and train from it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
@@ -143,6 +144,16 @@ def cached_result(out: Path, force: bool = False) -> SFTResult | None:
     return None
 
 
+def write_model(folder: Path, base: Path, model: Any) -> Path:
+    """``model``'s weights and ``base``'s tokenizer and config files in ``folder``: a model
+    folder that loads and serves like ``base``."""
+    for f in base.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin")):
+            shutil.copy2(f, folder / f.name)
+    model.save_pretrained(folder)
+    return folder
+
+
 def save_result(out: Path, base: Path, model: Any,
                 describe: Callable[[Path], dict[str, Any]]) -> SFTResult:
     """Save the trained ``model`` as the cache entry ``out``, with ``base``'s tokenizer and
@@ -152,11 +163,7 @@ def save_result(out: Path, base: Path, model: Any,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        for f in base.iterdir():
-            if f.is_file() and not f.name.endswith((".safetensors", ".bin")):
-                shutil.copy2(f, tmp / f.name)
-        model.save_pretrained(tmp)
-        info = describe(tmp)
+        info = describe(write_model(tmp, base, model))
         (tmp / INFO).write_text(json.dumps(info, indent=2))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -246,13 +253,33 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """Early stopping on held-out data: every ``every`` steps (and after the last) ``score``
+    rates the model being trained (higher is better, scored in eval mode without gradients);
+    ``train_sft`` returns the best-rated weights, the earliest on a tie."""
+
+    every: int
+    score: Callable[[Any], float]
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"Selection.every must be at least 1, got {self.every}")
+
+
 def train_sft(base: Path, cfg: ClawRayConfig, rows: list[dict[str, Any]],
-           progress: bool, threads: int | None = None) -> dict[str, Any]:
+              progress: bool, threads: int | None = None,
+              select: Selection | None = None) -> dict[str, Any]:
     """``sft.steps`` NLL steps on random batches of ``rows`` with one DeepSpeed rank; with
-    ``threads``, on that many torch threads (``torch_threads``)."""
+    ``threads``, on that many torch threads (``torch_threads``). The result: ``model``, the
+    ``nll`` per step and, with ``select``, the ``selection`` curve (``[{step, score}]``), the
+    ``selected_step`` whose weights ``model`` holds, and the ``last_model`` (the weights after
+    the last step, a separate copy) when that is another step. Scoring consumes nothing of
+    the batch sampler's stream: the steps up to the selected one are those of a run without
+    ``select``."""
     if threads is not None:
         with torch_threads(threads):
-            return train_sft(base, cfg, rows, progress)
+            return train_sft(base, cfg, rows, progress, select=select)
 
     s = cfg.sft_cfg
     t = cfg.training_cfg.model_copy(update={
@@ -263,12 +290,44 @@ def train_sft(base: Path, cfg: ClawRayConfig, rows: list[dict[str, Any]],
     table = pa.Table.from_batches([rows_to_batch(rows)])
     rng = np.random.default_rng(s.seed)
     nll: list[float] = []
+    curve: list[dict[str, float]] = []
+    best: tuple[float, int, dict[str, Any]] | None = None
     with tqdm(total=s.steps, disable=not progress, desc="clawray sft", unit="step") as bar:
-        for _ in range(s.steps):
+        for step in range(1, s.steps + 1):
             idx = rng.choice(table.num_rows, size=min(s.batch_size, table.num_rows),
                              replace=False)
             m = learner.update(table.take(pa.array(np.sort(idx))))
             nll.append(float(m["loss"]))
-            bar.set_postfix(nll=f"{nll[-1]:.3f}", refresh=False)
+            if select is not None and (step % select.every == 0 or step == s.steps):
+                score = _rate(learner.module, select)
+                curve.append({"step": step, "score": score})
+                if best is None or score > best[0]:
+                    best = (score, step, _snapshot(learner.module))
+                bar.set_postfix(nll=f"{nll[-1]:.3f}", val=f"{score:.3f}", refresh=False)
+            else:
+                bar.set_postfix(nll=f"{nll[-1]:.3f}", refresh=False)
             bar.update(1)
-    return {"model": learner.module, "nll": nll}
+    out: dict[str, Any] = {"model": learner.module, "nll": nll}
+    if best is not None:
+        _, chosen, weights = best
+        out.update(selection=curve, selected_step=chosen)
+        if chosen != s.steps:
+            out["last_model"] = copy.deepcopy(learner.module)
+            learner.module.load_state_dict(weights)
+    return out
+
+
+def _rate(module: Any, select: Selection) -> float:
+    import torch
+
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            return float(select.score(module))
+    finally:
+        module.train(was_training)
+
+
+def _snapshot(module: Any) -> dict[str, Any]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}

@@ -129,6 +129,29 @@ def test_the_rms_tasks_are_none_of_the_policys_sft_tasks_nor_the_held_out_ones()
     assert ids(200, s.seed) <= policy  # what recipe 1 did: the policy's first 200 tasks
 
 
+@pytest.mark.parametrize("task_pools", [True, False])
+def test_the_rms_train_validation_and_test_steps_come_from_disjoint_tasks(task_pools):
+    """Recipe 5's three task sets: the train pool's (rows), the validation pool's (early
+    stopping), the test pool's (reported); disjoint also where task pools are off (seeds)."""
+    from clawray.envs.base import demo_tasks
+    from clawray.training.rm_sft import EVAL_SEED_OFFSET, TASK_SEED_OFFSET, TEST_SEED_OFFSET
+    from clawray.training.sft import pools
+
+    cfg = ClawRayConfig().environments(family="household", task_pools=task_pools)
+    e, seed = cfg.environments_cfg, cfg.sft_cfg.seed
+    family = make_family(e.family, **e.family_kwargs)
+    train_pool, validation_pool = pools(cfg)
+
+    def ids(n: int, offset: int, pool: str | None) -> set[str]:
+        return {t.task_id for t in demo_tasks(family, n, 0.3, seed + offset, pool)}
+
+    train = ids(200, TASK_SEED_OFFSET, train_pool)
+    validation = ids(60, EVAL_SEED_OFFSET, validation_pool)
+    test = ids(60, TEST_SEED_OFFSET, e.pool("test"))
+    assert len(train) == 200 and len(validation) == 60 and len(test) == 60
+    assert not train & validation and not train & test and not validation & test
+
+
 def _cfg(tmp_path):
     return (ClawRayConfig()
             .environments(family="household", history_window=0, max_tokens=8, max_steps=4)
@@ -143,11 +166,17 @@ def test_rm_sft_trains_on_the_policys_steps_and_is_cached_by_setting(tmp_path,
     from clawray.training.sft import INFO
 
     cfg = _cfg(tmp_path)
-    first = run_rm_sft(cfg, tiny_model_path, progress=False, n_tasks=1, max_difficulty=0.2)
+    first = run_rm_sft(cfg, tiny_model_path, progress=False, n_tasks=1, max_difficulty=0.2,
+                       select_every=2, select_tasks=1)
     info = json.loads((first.path / INFO).read_text())
     assert not first.cached and info == first.info
     assert first.path.name == f"rm-sft-{info['key']}"
     assert info["nll_last"] < info["nll_first"]
+    # Stopped early on validation steps (rated at steps 2 and 3), reported on the test pool.
+    assert [c["step"] for c in info["selection"]] == [2, 3] and info["validation_steps"] > 0
+    best = max(info["selection"], key=lambda c: c["score"])
+    assert info["selected_step"] == best["step"] and info["eval_pool"] == "test"
+    assert ("rm_last" in info) == (info["selected_step"] != 3)
     # The tiny policy never makes progress: the expert's actions at its states were added.
     plus = info["progress_steps"]
     assert plus > 0 and 2 * plus >= info["steps_collected"] - plus
@@ -158,21 +187,28 @@ def test_rm_sft_trains_on_the_policys_steps_and_is_cached_by_setting(tmp_path,
     base = load_model(tiny_model_path).state_dict()
     assert any(not (p == base[n]).all() for n, p in load_model(first.path).state_dict().items())
 
-    again = run_rm_sft(cfg, tiny_model_path, progress=False, n_tasks=1, max_difficulty=0.2)
+    again = run_rm_sft(cfg, tiny_model_path, progress=False, n_tasks=1, max_difficulty=0.2,
+                       select_every=2, select_tasks=1)
     assert again.cached and again.path == first.path and again.info == info
     # Every setting that changes the weights changes the entry (the eval protocol does not).
-    settings = {"n_tasks": 1, "max_difficulty": 0.2, "label_noise": 0.0}
+    settings = {"n_tasks": 1, "max_difficulty": 0.2, "label_noise": 0.0, "select_every": 2,
+                "select_tasks": 1}
     key = rm_sft_key(tiny_model_path, tiny_model_path, cfg, settings)
     assert key == info["key"]
     assert rm_sft_key(tiny_model_path, tiny_model_path, cfg.sft(eval_tasks=9).rlanything(m=5),
                       settings) == key
     changed = [rm_sft_key(tiny_model_path, tiny_model_path, cfg, {**settings, **s})
-               for s in ({"n_tasks": 2}, {"max_difficulty": 0.3}, {"label_noise": 0.1})]
+               for s in ({"n_tasks": 2}, {"max_difficulty": 0.3}, {"label_noise": 0.1},
+                         {"select_every": 3}, {"select_tasks": 2})]
+    changed.append(rm_sft_key(tiny_model_path, tiny_model_path, cfg.rlanything(temperature=0.5),
+                              settings))  # the temperature the selection rates votes at
     changed += [rm_sft_key(tiny_model_path, tiny_model_path, c, settings)
                 for c in (_cfg(tmp_path).sft(steps=4), _cfg(tmp_path).environments(
                     temperature=0.5))]
     changed.append(rm_sft_key(tiny_model_path, first.path, cfg, settings))  # another policy
     assert len({key, *changed}) == len(changed) + 1
+    with pytest.raises(ValueError, match="needs validation tasks"):
+        run_rm_sft(cfg, tiny_model_path, progress=False, n_tasks=1, select_tasks=0)
 
 
 def test_run_sft_saves_through_the_shared_cache_writer(tmp_path, tiny_model_path,
@@ -192,3 +228,47 @@ def test_run_sft_saves_through_the_shared_cache_writer(tmp_path, tiny_model_path
     assert json.loads((result.path / sft.INFO).read_text())["rows"] == result.info["rows"]
     assert not [p for p in result.path.parent.iterdir() if p.name.startswith(".")]  # no temp
     assert sft.run_sft(cfg, progress=False).cached
+
+
+def test_verdict_probabilities_are_the_sampling_chances_of_each_verdict(tiny_model_path,
+                                                                       tiny_tokenizer):
+    """Right-padded pairs give each verdict's exact chance under teacher forcing at the
+    temperature, the chance one sampled answer is that verdict."""
+    import numpy as np
+    import torch
+
+    from clawray.models.loader import load_model
+    from clawray.training.rm_sft import verdict, verdict_probabilities
+
+    model = load_model(tiny_model_path).eval()
+    prompts = [tiny_tokenizer.encode(t, add_special_tokens=False)
+               for t in ("Did the step help? Answer", "x")]
+    for temperature in (1.0, 0.5):
+        with torch.no_grad():
+            got = verdict_probabilities(model, tiny_tokenizer, prompts, temperature)
+            for i, prompt in enumerate(prompts):
+                for j, v in enumerate((True, False)):
+                    answer = tiny_tokenizer.encode(verdict(v), add_special_tokens=False)
+                    chance = 1.0
+                    for k, tok in enumerate(answer):  # one token at a time, no padding
+                        logits = model(input_ids=torch.tensor([prompt + answer[:k]])).logits
+                        chance *= float(torch.softmax(logits[0, -1] / temperature, -1)[tok])
+                    assert got[i, j] == pytest.approx(chance, rel=1e-4)
+        assert np.all(got.sum(axis=1) <= 1.0)
+
+
+def test_expected_vote_accuracy_is_balanced_over_the_classes():
+    import numpy as np
+
+    from clawray.training.rm_sft import expected_vote_accuracy
+
+    probs = np.array([[0.9, 0.1], [0.5, 0.3], [0.2, 0.6], [0.0, 0.0]])
+    got = expected_vote_accuracy(probs, [True, True, False, False])
+    assert got["plus"] == pytest.approx(0.7) and got["minus"] == pytest.approx(0.3)
+    assert got["balanced"] == pytest.approx(0.5)  # a silent answer counts as wrong
+    assert got["verdict"] == pytest.approx((1.0 + 0.8 + 0.8 + 0.0) / 4)
+    # always the common verdict: 3 of 4 steps right, balanced 0.5
+    assert expected_vote_accuracy(np.array([[0, 1.0]] * 4), [True, False, False, False])[
+        "balanced"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="progress and no-progress"):
+        expected_vote_accuracy(probs, [True] * 4)

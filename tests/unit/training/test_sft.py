@@ -89,3 +89,49 @@ def test_a_rescored_model_keeps_the_digest_its_dependants_are_keyed_by(tmp_path)
     assert files_digest(tmp_path) == before
     (tmp_path / "model.safetensors").write_bytes(b"w" * 11)
     assert files_digest(tmp_path) != before
+
+
+def _sft_rows(tokenizer, n=12):
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rows = []
+    for i in range(n):
+        answer = tokenizer.encode(f"go to room {i % 3}", add_special_tokens=False) + [end]
+        rows.append(make_row(sample_id=f"r{i}", kind="sft", source="env", trajectory_id=f"t{i}",
+                             prompt_ids=tokenizer.encode(f"task {i}: where?",
+                                                         add_special_tokens=False),
+                             response_ids=answer, rollout_logprobs=[0.0] * len(answer),
+                             policy_version=0, loss_mask=[1] * len(answer), reward=1.0))
+    return rows
+
+
+def test_early_stopping_keeps_the_best_rated_weights_on_the_same_batches(tmp_path,
+                                                                         tiny_model_path,
+                                                                         tiny_tokenizer):
+    """``train_sft(select=...)`` rates the model every ``every`` steps and after the last, keeps
+    the best-rated weights (the earliest on a tie), hands back the last step's as
+    ``last_model``, and samples the same batches as a run without ``select``."""
+    from clawray.training.sft import Selection, train_sft
+
+    cfg = _cfg(tmp_path).sft(steps=5)
+    rows = _sft_rows(tiny_tokenizer)
+    ratings, seen = iter([0.2, 0.7, 0.7]), []
+
+    def rate(model):
+        assert not model.training  # rated in eval mode
+        seen.append({k: v.clone() for k, v in model.state_dict().items()})
+        return next(ratings)
+
+    got = train_sft(tiny_model_path, cfg, rows, progress=False, select=Selection(2, rate))
+    assert [c["step"] for c in got["selection"]] == [2, 4, 5] and got["selected_step"] == 4
+    assert got["model"].training  # back in train mode
+    kept, last = got["model"].state_dict(), got["last_model"].state_dict()
+    assert all((kept[k] == seen[1][k]).all() for k in kept)
+    assert all((last[k] == seen[2][k]).all() for k in last)
+    assert any(not (kept[k] == last[k]).all() for k in kept)
+    plain = train_sft(tiny_model_path, cfg, rows, progress=False)
+    assert plain["nll"] == got["nll"] and "selection" not in plain
+    best_last = train_sft(tiny_model_path, cfg, rows, progress=False,
+                          select=Selection(10, lambda _m: 1.0))
+    assert best_last["selected_step"] == 5 and "last_model" not in best_last
+    with pytest.raises(ValueError, match="at least 1"):
+        Selection(0, rate)

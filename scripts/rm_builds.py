@@ -1,0 +1,131 @@
+"""Does the RM warm start discriminate in every build? (issue "Learning you can trust")
+
+Table 1's RM warm start (``clawray rm-sft`` on the env demo's policy, 200 tasks, 200 steps of
+32 rows) scored 0.753 balanced accuracy built on one torch thread and 0.518 on two, from the
+same policy and rows (docs/rlanything.md): a fixed step count overtrains some builds. Recipe 5
+stops early on validation-pool steps (``rm_sft.rm_selection``). This script builds that recipe
+several times — RM seeds (``sft.seed``: the RM's tasks, row subsample and batch order) × torch
+thread counts, on one policy — and reports, per build and as mean ± standard error over builds:
+
+- the step early stopping kept and its validation rating (the curve: ``selection``);
+- the kept weights' balanced accuracy, p₊, p₋ and μ on steps of TEST-pool tasks (m sampled
+  votes, ``rm_step_accuracy``), and the same for the last step's weights (``rm_last``: what
+  recipe 4 shipped), paired per build.
+
+Every build has its own cache folder (the thread count is not part of the cache key).
+
+    .venv/bin/python scripts/rm_builds.py --out docs/results/rm_selection --threads 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from clawray.apps.env_demo import env_demo_config
+from clawray.config import ClawRayConfig
+from clawray.stats import seed_stats
+from clawray.training.evaluate import EVAL_MAX_DIFFICULTY
+from clawray.training.rm_sft import run_rm_sft
+from clawray.training.sft import run_sft, torch_threads
+
+
+def build(out: Path, policy_seed: int, rm_seed: int, threads: int, tasks: int,
+          eval_tasks: int, select_every: int | None) -> dict[str, Any]:
+    demo = env_demo_config(ClawRayConfig(), Path("."), policy_seed)
+    policy = run_sft(demo, progress=False).path  # the env demo's (Table 1's) policy, cached
+    cfg = demo.copy_with(sft={"seed": rm_seed, "eval_tasks": eval_tasks,
+                              "cache_dir": str(out / "cache" / f"threads{threads}")})
+    t0 = time.monotonic()
+    with torch_threads(threads):
+        result = run_rm_sft(cfg, policy, n_tasks=tasks, max_difficulty=EVAL_MAX_DIFFICULTY,
+                            progress=False, select_every=select_every)
+    info = result.info
+    keep = ("rm_before", "rm_after", "rm_last", "selection", "selected_step", "rows",
+            "steps_collected", "validation_steps", "nll_last")
+    return {"policy": str(policy), "policy_seed": policy_seed, "rm_seed": rm_seed,
+            "threads": threads, "cached": result.cached, "seconds": time.monotonic() - t0,
+            **{k: info[k] for k in keep if k in info}}
+
+
+def summarize(builds: list[dict[str, Any]]) -> dict[str, Any]:
+    def stats(key: str, which: str) -> dict[str, float | None]:
+        return seed_stats([b[which][key] for b in builds if b.get(which)])
+
+    # rm_last is absent where early stopping kept the last step: the kept weights are the last.
+    last = [b.get("rm_last") or b["rm_after"] for b in builds]
+    paired = [a["rm_after"]["balanced_acc"] - l["balanced_acc"] for a, l in zip(builds, last)]
+    return {"builds": len(builds),
+            "selected": {k: stats(k, "rm_after") for k in ("balanced_acc", "plus_acc",
+                                                           "minus_acc", "mu", "unparseable")},
+            "last": {k: seed_stats([l[k] for l in last])
+                     for k in ("balanced_acc", "plus_acc", "minus_acc", "mu", "unparseable")},
+            "selected_minus_last": seed_stats(paired),
+            "selected_steps": [b.get("selected_step") for b in builds]}
+
+
+def plot(builds: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for b in builds:
+        curve = b.get("selection") or []
+        ax.plot([c["step"] for c in curve], [c["score"] for c in curve], marker="o",
+                label=f"RM seed {b['rm_seed']}, {b['threads']} thread(s): "
+                      f"test {b['rm_after']['balanced_acc']:.2f}")
+    ax.axhline(0.5, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("RM warm-start step")
+    ax.set_ylabel("validation: expected balanced accuracy of one vote")
+    ax.set_title("RM warm start, early stopping on the validation pool")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--policy-seed", type=int, default=0)
+    p.add_argument("--rm-seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--tasks", type=int, default=200, help="train-pool tasks (Table 1: 200)")
+    p.add_argument("--eval-tasks", type=int, default=30, help="test-pool tasks")
+    p.add_argument("--select-every", type=int, default=25)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    done = out / "builds.jsonl"
+    builds = [json.loads(line) for line in done.read_text().splitlines()] if done.exists() else []
+    have = {(b["rm_seed"], b["threads"]) for b in builds}
+    for threads in args.threads:
+        for rm_seed in args.rm_seeds:
+            if (rm_seed, threads) in have:
+                continue
+            b = build(out, args.policy_seed, rm_seed, threads, args.tasks, args.eval_tasks,
+                      args.select_every)
+            after, last = b["rm_after"], b.get("rm_last") or b["rm_after"]
+            print(f"RM seed {rm_seed}, {threads} thread(s): kept step {b.get('selected_step')}"
+                  f" -> test balanced {after['balanced_acc']} (p+ {after['plus_acc']},"
+                  f" p- {after['minus_acc']}); last step {last['balanced_acc']}"
+                  f" [{b['seconds']:.0f} s]", flush=True)
+            with done.open("a") as f:
+                f.write(json.dumps(b) + "\n")
+            builds.append(b)
+    mine = [b for b in builds if b["rm_seed"] in args.rm_seeds and b["threads"] in args.threads]
+    summary = {"command": "scripts/rm_builds.py " + " ".join(
+        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+        for k, v in vars(args).items()), **summarize(mine)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot(mine, out / "validation_curves.png")
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -164,10 +164,12 @@ def verdict_probabilities(model: Any, tokenizer: Any, prompts: list[list[int]],
         seqs = [prompt + v for v in verdicts]
         width = max(map(len, seqs))
         ids = torch.tensor([q + [0] * (width - len(q)) for q in seqs], device=device)
-        logits = model(input_ids=ids).logits.float() / temperature
+        # Logits only from the prompt's last position on (most of the cost is the LM head).
+        keep = width - len(prompt) + 1
+        logits = model(input_ids=ids, logits_to_keep=keep).logits.float() / temperature
         logp = torch.log_softmax(logits, dim=-1)
         for j, v in enumerate(verdicts):
-            pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(v), device=device)
+            pos = torch.arange(len(v), device=device)
             out[i, j] = float(logp[j, pos, torch.tensor(v, device=device)].sum().exp())
     return out
 

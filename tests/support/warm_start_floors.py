@@ -20,7 +20,8 @@ EVAL_TEMPERATURE = 0.5  # their sampling temperature (why: the test module's doc
 # Train-pool tasks whose policy steps the RM learns from. 60 tasks (100 steps) separated the
 # steps of one policy build (0.783) but not of two others (0.527, 0.518): docs/rlanything.md.
 RM_TASKS = 100
-RM_EVAL_TASKS = 20  # held-out validation-pool tasks whose policy steps score the RM
+RM_EVAL_TASKS = 20  # test-pool tasks whose policy steps score the RM (30 validation-pool
+# tasks' steps choose its step: rm_sft.run_rm_sft's defaults)
 JUDGE_TRAIN = 2000  # judge-sft training examples (the judge_train wording, train prompts)
 JUDGE_EVAL = 100  # examples per held-out split (validation and test wording), m = 3 votes
 
@@ -36,7 +37,8 @@ def policy_config(cache_dir: str) -> ClawRayConfig:
 
 
 def rm_config(policy_cfg: ClawRayConfig) -> ClawRayConfig:
-    """The RM's warm start: 200 steps of 16 rows; scored with m = 3 votes."""
+    """The RM's warm start: up to 200 steps of 16 rows (stopped early on the validation pool);
+    scored with m = 3 votes."""
     return policy_cfg.copy_with(sft={"steps": 200, "batch_size": 16, "lr": 1e-3,
                                      "eval_tasks": RM_EVAL_TASKS})
 

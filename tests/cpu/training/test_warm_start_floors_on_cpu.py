@@ -3,9 +3,9 @@ live loop's judge model, each scored on held-out data no training row comes from
 
 - the policy's SFT (recipe of ``clawray env-demo``) raises household success on tasks of the
   validation pool that no demonstration comes from;
-- the step reward model's warm start (``clawray rm-sft``, recipe 3) on that policy's steps
-  separates progress from no-progress steps of held-out tasks (a stream of their own, of the
-  validation pool) by balanced accuracy, where the untrained model writes no verdict at all;
+- the step reward model's warm start (``clawray rm-sft``, recipe 5: stopped early on
+  validation-pool steps) on that policy's steps separates progress from no-progress steps of
+  test-pool tasks by balanced accuracy, where the untrained model writes no verdict at all;
 - the judge model (``clawray judge-sft``, a recipe of CI's size) separates approval from
   complaint in user feedback worded in a pool it never trained on, with prompts of templates
   it never saw, where the keyword judge finds no verdict in most of it (±1 balanced accuracy
@@ -56,16 +56,21 @@ def test_sft_raises_held_out_success_above_a_floor(policy):
 
 
 def test_rm_warm_start_separates_held_out_steps_above_a_floor(policy, floor_warm_starts):
-    # 200 steps of 16 rows from the policy's steps on 100 tasks; scored with m = 3 votes on the
-    # steps of 20 held-out tasks.
+    # Up to 200 steps of 16 rows from the policy's steps on 100 tasks, the best of every 25th
+    # on the steps of 30 validation-pool tasks; scored with m = 3 votes on the steps of 20
+    # test-pool tasks.
     info = floors.rm(floor_warm_starts, str(policy.path)).info
     before, after = info["rm_before"], info["rm_after"]
     print(f"RM floor: {info['rows']} rows from {info['steps_collected']} steps "
           f"({info['progress_steps']} progress); held-out balanced accuracy "
           f"{after['balanced_acc']} (p₊ {after['plus_acc']}, p₋ {after['minus_acc']}, "
-          f"{after['n_plus']} progress steps of {after['n_steps']}; untrained: unparseable "
+          f"{after['n_plus']} progress steps of {after['n_steps']}; kept step "
+          f"{info['selected_step']}, the last would score "
+          f"{(info.get('rm_last') or after)['balanced_acc']}; untrained: unparseable "
           f"{before['unparseable']})")
-    assert info["eval_tasks"] == floors.RM_EVAL_TASKS
+    assert info["eval_tasks"] == floors.RM_EVAL_TASKS and info["eval_pool"] == "test"
+    assert info["select_every"] == 25 and info["validation_steps"] > 0
+    assert info["selected_step"] in [c["step"] for c in info["selection"]]
     assert after["n_plus"] >= 10 and after["n_steps"] - after["n_plus"] >= 10, info  # both classes
     # The untrained model writes no verdict: every scoring is unparseable.
     assert before["unparseable"] > 0.9, before

@@ -67,6 +67,33 @@ def summarize(builds: list[dict[str, Any]]) -> dict[str, Any]:
             "selected_steps": [b.get("selected_step") for b in builds]}
 
 
+def markdown(builds: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    """Per build and over builds: the kept step, test-pool balanced accuracy, p₊, p₋, μ of the
+    kept weights, and the last step's balanced accuracy and p₊ beside them."""
+    f = (lambda v: "-" if v is None else f"{v:.3f}")
+    lines = ["| RM seed | threads | kept step | test balanced | p₊ | p₋ | μ | last step: balanced "
+             "| last: p₊ | last: p₋ |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for b in sorted(builds, key=lambda b: (b["threads"], b["rm_seed"])):
+        a, last = b["rm_after"], b.get("rm_last") or b["rm_after"]
+        lines.append(f"| {b['rm_seed']} | {b['threads']} | {b.get('selected_step')} | "
+                     f"{f(a['balanced_acc'])} | {f(a['plus_acc'])} | {f(a['minus_acc'])} | "
+                     f"{f(a['mu'])} | {f(last['balanced_acc'])} | {f(last['plus_acc'])} | "
+                     f"{f(last['minus_acc'])} |")
+
+    def ms(d: dict[str, Any]) -> str:
+        return f"{f(d['mean'])} ± {f(d['stderr'])}"
+
+    sel, last = summary["selected"], summary["last"]
+    lines.append(f"| mean ± s.e. ({summary['builds']} builds) | | | {ms(sel['balanced_acc'])} | "
+                 f"{ms(sel['plus_acc'])} | {ms(sel['minus_acc'])} | {ms(sel['mu'])} | "
+                 f"{ms(last['balanced_acc'])} | {ms(last['plus_acc'])} | "
+                 f"{ms(last['minus_acc'])} |")
+    lines.append("")
+    lines.append(f"Kept − last step, paired per build: {ms(summary['selected_minus_last'])} "
+                 "balanced accuracy.")
+    return "\n".join(lines) + "\n"
+
+
 def plot(builds: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -74,15 +101,21 @@ def plot(builds: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    for b in builds:
+    for b in sorted(builds, key=lambda b: (b["threads"], b["rm_seed"])):
         curve = b.get("selection") or []
-        ax.plot([c["step"] for c in curve], [c["score"] for c in curve], marker="o",
-                label=f"RM seed {b['rm_seed']}, {b['threads']} thread(s): "
-                      f"test {b['rm_after']['balanced_acc']:.2f}")
+        line, = ax.plot([c["step"] for c in curve], [c["score"] for c in curve], marker="o",
+                        ms=4, label=f"RM seed {b['rm_seed']}, {b['threads']} thread(s)")
+        last = b.get("rm_last") or b["rm_after"]
+        ax.plot([b["selected_step"]], [b["rm_after"]["balanced_acc"]], marker="*", ms=13,
+                color=line.get_color(), ls="none")
+        ax.plot([curve[-1]["step"]], [last["balanced_acc"]], marker="x", ms=9, mew=2,
+                color=line.get_color(), ls="none")
+    ax.plot([], [], "k*", ls="none", label="test pool, kept step (m = 3 votes)")
+    ax.plot([], [], "kx", ls="none", label="test pool, last step")
     ax.axhline(0.5, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("RM warm-start step")
-    ax.set_ylabel("validation: expected balanced accuracy of one vote")
-    ax.set_title("RM warm start, early stopping on the validation pool")
+    ax.set_ylabel("balanced accuracy")
+    ax.set_title("RM warm start: validation rating (lines), test (markers)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -122,6 +155,7 @@ def main() -> int:
         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
         for k, v in vars(args).items()), **summarize(mine)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.md").write_text(markdown(mine, summary))
     plot(mine, out / "validation_curves.png")
     print(json.dumps(summary, indent=2))
     return 0

@@ -40,10 +40,8 @@ BUILDS_WANTED = pytest.StashKey[list]()
 BUILDS_STARTED = pytest.StashKey[bool]()
 
 
-# The builds keep torch's default threads (no OMP_NUM_THREADS=1): the floors were measured on
-# builds with 2 threads, and a build's numerics follow its thread count (the same floors recipe
-# built on 1 thread gave the policy 0.14 instead of 0.20 and, on that policy's steps, an RM at
-# chance: balanced 0.53).
+# The floors' SFTs pin torch to one thread themselves (warm_start_floors.one_thread; a build's
+# numerics follow its thread count, and the floors were measured on one-thread builds).
 BUILD_CHAIN = pytest.StashKey[dict]()
 
 

@@ -82,16 +82,41 @@ def judge(cache_dir: str) -> Any:
                          n_eval=JUDGE_EVAL, m=3, eval_base=False)
 
 
-def main(argv: list[str]) -> int:
-    [cache_dir] = argv
-    built = policy(cache_dir)
-    print(f"policy: {built.path} (held-out success {built.info['success_before']:.3f} -> "
-          f"{built.info['success_after']:.3f})", flush=True)
-    scored = rm(cache_dir, str(built.path)).info["rm_after"]
-    print(f"RM: held-out balanced accuracy {scored['balanced_acc']}", flush=True)
+def _judge_line(cache_dir: str) -> str:
     judged = judge(cache_dir).info["test"]["judge"]
-    print(f"judge: ±1 balanced accuracy on the users' wording {judged['balanced_acc_pm']}",
-          flush=True)
+    return f"judge: ±1 balanced accuracy on the users' wording {judged['balanced_acc_pm']}"
+
+
+def _die_with_parent() -> None:
+    """In the judge's process: killed with the build's own process (Linux), which is the one
+    the suite kills when it stops early."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv: list[str]) -> int:
+    """Build the three warm starts into ``CACHE_DIR``. The judge needs neither the policy nor
+    the RM, so it builds in a process of its own beside them (each SFT on one thread, so the
+    two do not wait on each other's OpenMP barriers): the build takes the longer of the two
+    chains, not their sum, at the end of the suite where the tests leave both cores idle."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    [cache_dir] = argv
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_die_with_parent) as pool:
+        judged = pool.submit(_judge_line, cache_dir)
+        built = policy(cache_dir)
+        print(f"policy: {built.path} (held-out success {built.info['success_before']:.3f} -> "
+              f"{built.info['success_after']:.3f})", flush=True)
+        scored = rm(cache_dir, str(built.path)).info["rm_after"]
+        print(f"RM: held-out balanced accuracy {scored['balanced_acc']}", flush=True)
+        print(judged.result(), flush=True)
     print("warm starts ready", flush=True)
     return 0
 

@@ -194,6 +194,10 @@ def rm_selection(contexts: list[StepContext], tokenizer: Any, history_window: in
     prompts = [render_prompt(tokenizer, step_rm_request(c, history_window).messages, None)
                for c in contexts]
     progress = [c.progress for c in contexts]
+    if all(progress) or not any(progress):
+        raise ValueError(f"early stopping needs progress and no-progress steps among the "
+                         f"{len(progress)} validation steps; got {sum(progress)} progress "
+                         f"steps (play more validation tasks: select_tasks)")
     return Selection(every, lambda model: expected_vote_accuracy(
         verdict_probabilities(model, tokenizer, prompts, temperature), progress)["balanced"])
 

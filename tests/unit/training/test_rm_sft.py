@@ -272,3 +272,13 @@ def test_expected_vote_accuracy_is_balanced_over_the_classes():
         "balanced"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="progress and no-progress"):
         expected_vote_accuracy(probs, [True] * 4)
+
+
+def test_early_stopping_without_both_classes_among_validation_steps_is_a_clear_error(
+        mixed_contexts, tiny_tokenizer):
+    from clawray.training.rm_sft import rm_selection
+
+    plus = [c for c in mixed_contexts if c.progress]
+    with pytest.raises(ValueError, match=r"validation steps; got \d+ progress steps"):
+        rm_selection(plus, tiny_tokenizer, 0, 0.8, every=25)
+    assert rm_selection(mixed_contexts, tiny_tokenizer, 0, 0.8, every=25).every == 25

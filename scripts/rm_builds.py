@@ -51,12 +51,17 @@ def build(out: Path, policy_seed: int, rm_seed: int, threads: int, tasks: int,
             **{k: info[k] for k in keep if k in info}}
 
 
+def last_scored(b: dict[str, Any]) -> dict[str, Any]:
+    """The last step's test figures (``rm_last`` is absent where early stopping kept the last
+    step: the kept weights are the last)."""
+    return b.get("rm_last") or b["rm_after"]
+
+
 def summarize(builds: list[dict[str, Any]]) -> dict[str, Any]:
     def stats(key: str, which: str) -> dict[str, float | None]:
         return seed_stats([b[which][key] for b in builds if b.get(which)])
 
-    # rm_last is absent where early stopping kept the last step: the kept weights are the last.
-    last = [b.get("rm_last") or b["rm_after"] for b in builds]
+    last = [last_scored(b) for b in builds]
     paired = [a["rm_after"]["balanced_acc"] - l["balanced_acc"] for a, l in zip(builds, last)]
     return {"builds": len(builds),
             "selected": {k: stats(k, "rm_after") for k in ("balanced_acc", "plus_acc",
@@ -74,7 +79,7 @@ def markdown(builds: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     lines = ["| RM seed | threads | kept step | test balanced | p₊ | p₋ | μ | last step: balanced "
              "| last: p₊ | last: p₋ |", "|---|---|---|---|---|---|---|---|---|---|"]
     for b in sorted(builds, key=lambda b: (b["threads"], b["rm_seed"])):
-        a, last = b["rm_after"], b.get("rm_last") or b["rm_after"]
+        a, last = b["rm_after"], last_scored(b)
         lines.append(f"| {b['rm_seed']} | {b['threads']} | {b.get('selected_step')} | "
                      f"{f(a['balanced_acc'])} | {f(a['plus_acc'])} | {f(a['minus_acc'])} | "
                      f"{f(a['mu'])} | {f(last['balanced_acc'])} | {f(last['plus_acc'])} | "
@@ -105,7 +110,7 @@ def plot(builds: list[dict[str, Any]], path: Path) -> None:
         curve = b.get("selection") or []
         line, = ax.plot([c["step"] for c in curve], [c["score"] for c in curve], marker="o",
                         ms=4, label=f"RM seed {b['rm_seed']}, {b['threads']} thread(s)")
-        last = b.get("rm_last") or b["rm_after"]
+        last = last_scored(b)
         ax.plot([b["selected_step"]], [b["rm_after"]["balanced_acc"]], marker="*", ms=13,
                 color=line.get_color(), ls="none")
         ax.plot([curve[-1]["step"]], [last["balanced_acc"]], marker="x", ms=9, mew=2,
@@ -142,7 +147,7 @@ def main() -> int:
                 continue
             b = build(out, args.policy_seed, rm_seed, threads, args.tasks, args.eval_tasks,
                       args.select_every)
-            after, last = b["rm_after"], b.get("rm_last") or b["rm_after"]
+            after, last = b["rm_after"], last_scored(b)
             print(f"RM seed {rm_seed}, {threads} thread(s): kept step {b.get('selected_step')}"
                   f" -> test balanced {after['balanced_acc']} (p+ {after['plus_acc']},"
                   f" p- {after['minus_acc']}); last step {last['balanced_acc']}"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.common import REPO, RLA_NOTEBOOK_SCALE, Served
+from tests.support.common import REPO, RLA_NOTEBOOK_SCALE, Served, die_with_parent
 from tests.support.serving import serve_app
 
 RLA_WARM_STARTS_CMD = ["-m", "clawray.apps.cli", "rla-table", "--scale", RLA_NOTEBOOK_SCALE,
@@ -80,17 +80,11 @@ def _idle_priority() -> None:
     """In a build's child process: the idle scheduling class (or nice 19 where refused), and
     killed with the thread that started it (Linux's ``PR_SET_PDEATHSIG``), so a suite that is
     killed, and never reaches ``pytest_unconfigure``, leaves no build running."""
-    import ctypes
-    import signal
-
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         os.nice(19)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    die_with_parent()
 
 
 def pytest_runtest_setup(item):

@@ -111,6 +111,11 @@ def collect_steps(policy_path: str | Path, cfg: ClawRayConfig, n_tasks: int,
     return contexts
 
 
+def rm_prompt(ctx: StepContext, tokenizer: Any, history_window: int | None) -> list[int]:
+    """The ids of the step-RM request for ``ctx`` as the JudgeServer templates it."""
+    return render_prompt(tokenizer, step_rm_request(ctx, history_window).messages, None)
+
+
 def rm_sft_rows(contexts: list[StepContext], tokenizer: Any, history_window: int | None,
                 label_noise: float = 0.0, seed: int = 0) -> list[dict[str, Any]]:
     r"""One ``sft`` row per kept step: prompt ids = the JudgeServer's template of
@@ -141,8 +146,7 @@ def rm_sft_rows(contexts: list[StepContext], tokenizer: Any, history_window: int
         rows.append(make_row(
             sample_id=f"rm-sft/{i}", kind="sft", source="env", trajectory_id=f"rm-sft-{n}",
             step=ctx.step,
-            prompt_ids=render_prompt(tokenizer, step_rm_request(ctx, history_window).messages,
-                                     None),
+            prompt_ids=rm_prompt(ctx, tokenizer, history_window),
             response_ids=response, rollout_logprobs=[0.0] * len(response), policy_version=0,
             loss_mask=[1] * len(response), reward=1.0 if label else -1.0))
     return rows
@@ -191,8 +195,7 @@ def rm_selection(contexts: list[StepContext], tokenizer: Any, history_window: in
                  temperature: float, every: int) -> Selection:
     """Rate the RM being trained by ``expected_vote_accuracy``'s ``balanced`` on ``contexts``
     (templated as the JudgeServer templates them) every ``every`` steps."""
-    prompts = [render_prompt(tokenizer, step_rm_request(c, history_window).messages, None)
-               for c in contexts]
+    prompts = [rm_prompt(c, tokenizer, history_window) for c in contexts]
     progress = [c.progress for c in contexts]
     if all(progress) or not any(progress):
         raise ValueError(f"early stopping needs progress and no-progress steps among the "

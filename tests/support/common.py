@@ -94,3 +94,15 @@ class Served:
 # The RLAnything notebook's live section runs at the "tiny" scale in the suite (20-step warm
 # starts: the machinery, in minutes of CPU instead of a quarter of an hour); users run "small".
 RLA_NOTEBOOK_SCALE = "tiny"
+
+
+def die_with_parent() -> None:
+    """In a child process: killed when the thread that started it ends (Linux's
+    ``PR_SET_PDEATHSIG``), so a killed parent leaves no child running; a no-op elsewhere."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

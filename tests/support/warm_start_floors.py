@@ -87,18 +87,6 @@ def _judge_line(cache_dir: str) -> str:
     return f"judge: ±1 balanced accuracy on the users' wording {judged['balanced_acc_pm']}"
 
 
-def _die_with_parent() -> None:
-    """In the judge's process: killed with the build's own process (Linux), which is the one
-    the suite kills when it stops early."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def main(argv: list[str]) -> int:
     """Build the three warm starts into ``CACHE_DIR``. The judge needs neither the policy nor
     the RM, so it builds in a process of its own beside them (each SFT on one thread, so the
@@ -107,9 +95,11 @@ def main(argv: list[str]) -> int:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    from tests.support.common import die_with_parent
+
     [cache_dir] = argv
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_die_with_parent) as pool:
+                             initializer=die_with_parent) as pool:
         judged = pool.submit(_judge_line, cache_dir)
         built = policy(cache_dir)
         print(f"policy: {built.path} (held-out success {built.info['success_before']:.3f} -> "

@@ -34,9 +34,13 @@ from clawray.training.sft import run_sft, torch_threads
 
 
 def build(out: Path, policy_seed: int, rm_seed: int, threads: int, tasks: int,
-          eval_tasks: int, select_every: int | None) -> dict[str, Any]:
+          eval_tasks: int, select_every: int | None, policy_threads: int = 1) -> dict[str, Any]:
     demo = env_demo_config(ClawRayConfig(), Path("."), policy_seed)
-    policy = run_sft(demo, progress=False).path  # the env demo's (Table 1's) policy, cached
+    # The env demo's (Table 1's) policy, cached by its settings (a cached build is whichever
+    # thread count built it first; a missing one is built on ``policy_threads``).
+    with torch_threads(policy_threads):
+        sft = run_sft(demo, progress=False)
+    policy = sft.path
     cfg = demo.copy_with(sft={"seed": rm_seed, "eval_tasks": eval_tasks,
                               "cache_dir": str(out / "cache" / f"threads{threads}")})
     t0 = time.monotonic()
@@ -46,7 +50,8 @@ def build(out: Path, policy_seed: int, rm_seed: int, threads: int, tasks: int,
     info = result.info
     keep = ("rm_before", "rm_after", "rm_last", "selection", "selected_step", "rows",
             "steps_collected", "validation_steps", "nll_last")
-    return {"policy": str(policy), "policy_seed": policy_seed, "rm_seed": rm_seed,
+    return {"policy": str(policy), "policy_seed": policy_seed,
+            "policy_success": sft.info.get("success_after"), "rm_seed": rm_seed,
             "threads": threads, "cached": result.cached, "seconds": time.monotonic() - t0,
             **{k: info[k] for k in keep if k in info}}
 
@@ -76,7 +81,11 @@ def markdown(builds: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     """Per build and over builds: the kept step, test-pool balanced accuracy, p₊, p₋, μ of the
     kept weights, and the last step's balanced accuracy and p₊ beside them."""
     f = (lambda v: "-" if v is None else f"{v:.3f}")
-    lines = ["| RM seed | threads | kept step | test balanced | p₊ | p₋ | μ | last step: balanced "
+    policies = {(b["policy_seed"], Path(b["policy"]).name, b.get("policy_success"))
+                for b in builds}
+    lines = [f"Policy seed {seed}: `{name}` (held-out success {f(success)})"
+             for seed, name, success in sorted(policies, key=str)] + [""]
+    lines += ["| RM seed | threads | kept step | test balanced | p₊ | p₋ | μ | last step: balanced "
              "| last: p₊ | last: p₋ |", "|---|---|---|---|---|---|---|---|---|---|"]
     for b in sorted(builds, key=lambda b: (b["threads"], b["rm_seed"])):
         a, last = b["rm_after"], last_scored(b)
@@ -135,6 +144,8 @@ def main() -> int:
     p.add_argument("--tasks", type=int, default=200, help="train-pool tasks (Table 1: 200)")
     p.add_argument("--eval-tasks", type=int, default=30, help="test-pool tasks")
     p.add_argument("--select-every", type=int, default=25)
+    p.add_argument("--policy-threads", type=int, default=1,
+                   help="torch threads of a policy build not in the cache")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -146,7 +157,7 @@ def main() -> int:
             if (rm_seed, threads) in have:
                 continue
             b = build(out, args.policy_seed, rm_seed, threads, args.tasks, args.eval_tasks,
-                      args.select_every)
+                      args.select_every, args.policy_threads)
             after, last = b["rm_after"], last_scored(b)
             print(f"RM seed {rm_seed}, {threads} thread(s): kept step {b.get('selected_step')}"
                   f" -> test balanced {after['balanced_acc']} (p+ {after['plus_acc']},"

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 EMBEDDED_MODEL = "embedded:tiny"
 
@@ -628,6 +629,8 @@ class RLAnythingConfig(_Section):
                                          "with accuracy in this band.")
     adapt_env: bool = Field(True, description="Rewrite tasks that are too easy or too hard.")
     slots: int = Field(8, ge=1, description="Task slots the EnvAdapter keeps.")
+    slots_per_step: int = Field(0, ge=0, description="Slots played per step, in turn (0: every "
+                                "slot every step); at most `slots`.")
     harder_at: float = Field(0.8, ge=0, le=1)
     easier_at: float = Field(0.2, ge=0, le=1)
     accept_band: tuple[float, float] = Field((0.2, 0.8), description="A rewrite is accepted "
@@ -635,6 +638,13 @@ class RLAnythingConfig(_Section):
     llm_rewrite: bool = Field(False, description="Rewrite through the RM backend (an LLM "
                               "proposes difficulty params) instead of programmatically.")
     checkpoint_path: str | None = Field(None, description="EnvAdapter state file.")
+
+    @model_validator(mode="after")
+    def _per_step_within_slots(self) -> RLAnythingConfig:
+        if self.slots_per_step > self.slots:
+            raise ValueError(f"rlanything.slots_per_step ({self.slots_per_step}) must be at most "
+                             f"rlanything.slots ({self.slots}); 0 plays every slot every step")
+        return self
 
 
 class ClawRayConfig(_Section):

@@ -224,7 +224,11 @@ def cmd_rla_table(args: argparse.Namespace) -> int:
     try:
         scale = SCALES[args.scale]
         scale = dataclasses.replace(scale, steps=args.steps or scale.steps,
-                                    eval_tasks=args.eval_n or scale.eval_tasks)
+                                    eval_tasks=args.eval_n or scale.eval_tasks,
+                                    slots=args.slots or scale.slots,
+                                    slots_per_step=(scale.slots_per_step
+                                                    if args.slots_per_step is None
+                                                    else args.slots_per_step))
         summary = run_table(cfg, Path(args.out), args.seeds, args.rows.split(","),
                             args.label_noise, args.sft_seed, scale, args.parallel,
                             eval_pool=args.eval_pool)
@@ -455,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default=",".join(ROWS), help="rows, comma-separated")
     p.add_argument("--eval-n", type=int,
                    help="held-out tasks, x2 episodes (default: the scale's)")
+    p.add_argument("--slots", type=int, help="the adapter's task slots (default: the scale's)")
+    p.add_argument("--slots-per-step", type=int,
+                   help="slots played per step, in turn (0: all; default: the scale's)")
     p.add_argument("--label-noise", type=float, default=RM_LABEL_NOISE,
                    help="share of flipped labels in the RM's warm start")
     p.add_argument("--sft-seed", type=int, default=0, help="seed of both warm starts")

@@ -93,6 +93,7 @@ class Scale:
     eval_tasks: int = EVAL_TASKS  # held-out tasks, each played EVAL_SAMPLES times
     eval_step_tasks: int = EVAL_STEP_TASKS  # held-out tasks whose steps test the RM
     slots: int = 6  # the adapter's task slots
+    slots_per_step: int = 0  # slots played per step, in turn (0: every slot every step)
     group_size: int = 6  # rollouts per task and step
     runners: int = 2  # env runners
     sft_steps: int | None = None  # the policy's warm start; None: the env-demo's
@@ -139,7 +140,8 @@ def table_config(cfg: ClawRayConfig, out: Path, row: str, seed: int, policy: str
         # most slots started near 0 % and gave the RM no rows at all.
         curriculum={"max_difficulty": ADAPTER_MAX_DIFFICULTY},
         rlanything={"m": 3, "temperature": 0.8, "max_tokens": 8, "rm_backend": "server",
-                    "rm_model_path": rm, "slots": scale.slots, **ROWS[row],
+                    "rm_model_path": rm, "slots": scale.slots,
+                    "slots_per_step": scale.slots_per_step, **ROWS[row],
                     "checkpoint_path": str(run / "env_adapter.json")},
         training={"app": f"{APP}-{row.replace('+', '-')}", "mode": "rlanything",
                   "batch_size": 4096, "min_batch": 1, "lr": 1e-4, "take_timeout_s": 30.0})

@@ -75,10 +75,17 @@ class AdapterConfig:
     accept_low: float = 0.2
     accept_high: float = 0.8
     adapt: bool = True  # False: fixed task slots, never rewritten (the "no adaptation" baseline)
+    # Slots played per step, round-robin (0: every slot every step). With more slots than this
+    # the slots are a task set the steps cycle through, as a dataset is in the paper, instead of
+    # the same few tasks at every step; a slot's pending candidate is played with its slot.
+    per_step: int = 0
 
     def __post_init__(self) -> None:
         if self.n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, got {self.n_slots}")
+        if not 0 <= self.per_step <= self.n_slots:
+            raise ValueError(f"per_step must be in [0, n_slots={self.n_slots}] (0: every slot), "
+                             f"got {self.per_step}")
         if not 0 < self.max_difficulty <= 1:
             raise ValueError(f"max_difficulty must be in (0, 1], got {self.max_difficulty}")
         if not 0 <= self.easier_at < self.harder_at <= 1:
@@ -163,10 +170,19 @@ class EnvAdapterCore:
 
     # ---------------------------------------------------------------- serving
 
+    def step_slots(self) -> list[int]:
+        """The slots the next step plays: all, or ``per_step`` of them in turn (the same until
+        the step is reported, so a retried step plays the same tasks)."""
+        n, k = len(self.slots), self.config.per_step
+        if k == 0 or k == n:
+            return list(range(n))
+        return [(self.step * k + j) % n for j in range(k)]
+
     def tasks_for_step(self) -> list[dict[str, Any]]:
-        """Every slot's active task and pending candidate: ``{"slot", "role", "task"}``."""
+        """The step's slots' active tasks and pending candidates: ``{"slot", "role", "task"}``."""
         out = []
-        for i, s in enumerate(self.slots):
+        for i in self.step_slots():
+            s = self.slots[i]
             out.append({"slot": i, "role": "active", "task": s.active.to_dict()})
             if s.pending is not None:
                 out.append({"slot": i, "role": "candidate", "task": s.pending.task.to_dict()})

@@ -259,7 +259,7 @@ class RLAnythingLoop:
         self.adapter = get_or_create_env_adapter(
             f"{app}:env-adapter", namespace=NAMESPACE, runtime_env=e.runtime_env,
             family_name=family, family_kwargs=e.family_kwargs,
-            pool=e.pool("train"), n_slots=r.slots, seed=e.seed,
+            pool=e.pool("train"), n_slots=r.slots, per_step=r.slots_per_step, seed=e.seed,
             max_difficulty=cfg.curriculum_cfg.max_difficulty,
             harder_at=r.harder_at, easier_at=r.easier_at, adapt=r.adapt_env,
             accept_low=r.accept_band[0], accept_high=r.accept_band[1],

@@ -4,6 +4,7 @@ numbers are in docs/rlanything.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -34,6 +35,13 @@ def test_rows_switch_rm_cotraining_and_env_adaptation_and_share_the_rest(tmp_pat
     assert (c.environments_cfg.num_runners, small.environments_cfg.num_runners) == (2, 1)
     with pytest.raises(ValueError, match="unknown row 'rm-only'"):
         table_config(ClawRayConfig(), tmp_path, "rm-only", 0, "/p", "/rm")
+    assert c.rlanything_cfg.slots_per_step == 0  # every slot every step, as measured
+    cycled = table_config(ClawRayConfig(), tmp_path, "policy", 3, "/p", "/rm",
+                          dataclasses.replace(FULL, slots=36, slots_per_step=6))
+    assert (cycled.rlanything_cfg.slots, cycled.rlanything_cfg.slots_per_step) == (36, 6)
+    with pytest.raises(ValueError, match="slots_per_step"):
+        table_config(ClawRayConfig(), tmp_path, "policy", 3, "/p", "/rm",
+                     dataclasses.replace(FULL, slots=6, slots_per_step=7))
 
 
 def run(success: tuple[float, float], rm: tuple[float, float], accepted: list[int]) -> dict:

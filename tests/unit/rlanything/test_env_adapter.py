@@ -117,6 +117,49 @@ def test_at_most_one_pending_candidate_per_slot():
     assert core.metrics()["proposed"] == 1 and len(core.family.calls) == 1
 
 
+def test_per_step_plays_the_slots_in_turn_and_a_candidate_with_its_slot():
+    core = adapter(n_slots=3, levels=(0.5, 0.5, 0.5), per_step=2)
+    assert core.step_slots() == [0, 1]
+    assert core.step_slots() == [0, 1]  # unchanged until the step is reported (a retry)
+    out = step(core, a0=1.0, a1=0.5)
+    assert [p["slot"] for p in out["proposed"]] == [0]
+    # the next step wraps round: slots 2 and 0, and slot 0's candidate is played with it
+    assert [(t["slot"], t["role"]) for t in core.tasks_for_step()] == [
+        (2, "active"), (0, "active"), (0, "candidate")]
+    out = step(core, a2=0.0, a0=1.0, c0=0.5)
+    assert [e["slot"] for e in out["accepted"]] == [0]
+    assert [p["slot"] for p in out["proposed"]] == [2]
+    assert [t["slot"] for t in core.tasks_for_step()] == [1, 2, 2]
+    # a slot the step did not play keeps its pending candidate untouched
+    core2 = adapter(n_slots=3, levels=(0.5, 0.5, 0.5), per_step=1)
+    step(core2, a0=1.0)
+    pending = core2.slots[0].pending.task.task_id
+    step(core2, a1=0.5)
+    step(core2, a2=0.5)
+    assert core2.slots[0].pending.task.task_id == pending
+    assert [(t["slot"], t["role"]) for t in core2.tasks_for_step()] == [
+        (0, "active"), (0, "candidate")]
+
+
+def test_per_step_zero_or_all_plays_every_slot_and_out_of_range_is_an_error():
+    for k in (0, 3):
+        core = adapter(n_slots=3, levels=(0.5, 0.5, 0.5), per_step=k)
+        step(core, a0=0.5, a1=0.5, a2=0.5)
+        assert core.step_slots() == [0, 1, 2]
+    with pytest.raises(ValueError, match="per_step must be in"):
+        AdapterConfig(n_slots=3, per_step=4)
+    with pytest.raises(ValueError, match="per_step must be in"):
+        AdapterConfig(n_slots=3, per_step=-1)
+
+
+def test_per_step_survives_a_state_round_trip():
+    core = EnvAdapterCore(LineFamily(), AdapterConfig(n_slots=4, seed=11, per_step=3))
+    _play(core, 2)
+    restored = EnvAdapterCore.from_state(json.loads(json.dumps(core.state())), LineFamily())
+    assert restored.config.per_step == 3 and restored.step_slots() == core.step_slots()
+    assert _play(restored, 4) == _play(core, 4)
+
+
 # ---------------------------------------------------------------------------- acceptance
 @pytest.mark.parametrize("direction,acc,acc_new,accepted", [
     ("harder", 1.0, 0.5, True),

@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="rla-table-output", help="where results go")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="RL seeds")
     p.add_argument("--scale", choices=list(SCALES), default="full",
-                   help="full: the measured table (~25 min per seed on 2 cores); small: short "
+                   help="full: the measured table (~17 min per seed on 2 cores); small: short "
                         "warm starts, 2 steps, small evaluations (a few minutes); tiny: the "
                         "machinery only, from 20-step warm starts (what CI runs)")
     p.add_argument("--steps", type=int, help="RLAnything steps per row (default: the scale's)")

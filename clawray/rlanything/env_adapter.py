@@ -5,8 +5,8 @@ way (``docs/rlanything.md``). The core lives here; the Ray actor in ``env_adapte
 The adapter holds ``n_slots`` task slots. A slot has an *active* task and at most one *pending
 candidate* (a harder or easier rewrite of it). One training step goes:
 
-1. ``tasks_for_step()``: the trainer rolls out every slot's active task and every pending
-   candidate (a GRPO group each).
+1. ``tasks_for_step()``: the trainer rolls out the step's slots' active tasks and pending
+   candidates (a GRPO group each): every slot, or ``per_step`` slots in turn (``step_slots``).
 2. ``report(results)``: per task, the 0/1 rewards of its rollouts and a critique of its failed
    steps (``core.failure_steps`` / ``core.programmatic_critique``).
 
@@ -174,7 +174,7 @@ class EnvAdapterCore:
         """The slots the next step plays: all, or ``per_step`` of them in turn (the same until
         the step is reported, so a retried step plays the same tasks)."""
         n, k = len(self.slots), self.config.per_step
-        if k == 0 or k == n:
+        if k == 0:
             return list(range(n))
         return [(self.step * k + j) % n for j in range(k)]
 

@@ -213,8 +213,24 @@ def cmd_env_demo(args: argparse.Namespace) -> int:
 def cmd_rla_table(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from clawray.apps.rla_table import SCALES, run_table, table_markdown, warm_starts
+    from clawray.apps.rla_table import (SCALES, merge_tables, run_table, table_markdown,
+                                        warm_starts, write_table)
 
+    if args.merge:
+        summaries = []
+        for src in map(Path, args.merge):
+            path = src / "rla_table.json" if src.is_dir() else src
+            if not path.is_file():
+                raise ConfigError(f"--merge: no rla_table.json at {src}")
+            summaries.append(json.loads(path.read_text()))
+        try:
+            summary = merge_tables(summaries)
+        except ValueError as exc:
+            raise ConfigError(f"--merge: {exc}") from exc
+        write_table(summary, Path(args.out))
+        print(table_markdown(summary))
+        print(f"clawray rla-table: {args.out}/rla_table.json, rla_table.md, rla_table.png")
+        return 0
     cfg = apply_sets(load_config(args.config), args.set).validate()
     _prebuild(cfg)
     if args.warm_starts_only:
@@ -473,6 +489,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel", action="store_true",
                    help="run a seed's rows at once on one cluster (default: one after another, "
                         "each on its own)")
+    p.add_argument("--merge", nargs="+", metavar="RESULT",
+                   help="run nothing: merge earlier results (folders or rla_table.json files "
+                        "of other rows or seeds, same warm starts, evaluation and scale) into "
+                        "one table in --out")
     p.set_defaults(fn=cmd_rla_table)
     for name, fn, help_ in (("serve", cmd_serve, "serve the policy model"),
                             ("demo", cmd_demo, "serve + train from simulated users"),

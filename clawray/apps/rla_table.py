@@ -321,9 +321,63 @@ def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], rows: list[str] |
             result = run_row(cfgs[row], scale.steps, tasks, contexts, before, log)
             before = result["before"]
             summary = done(row, result)
+    write_table(summary, out)
+    return summary
+
+
+# What a table's runs must share to be one table: the same warm starts, evaluation and scale.
+MERGE_KEYS = ("steps", "policy", "rm", "sft_seed", "eval_pool", "scale", "rm_label_noise")
+
+
+def merge_tables(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One table from runs made apart (rows or seeds run at different times, as
+    ``--rows``/``--seeds`` allow): the runs must share ``MERGE_KEYS`` (else a ValueError naming
+    the key) and no (row, seed) may appear twice. Every row of a seed then starts from the same
+    weights and is evaluated on the same seeded tasks and steps, so the paired comparisons hold;
+    where two runs' "before" measurements of a seed differ anyway (they are seeded, so they
+    should not), the summary lists them under ``before_differs`` rather than hiding it."""
+    if len(summaries) < 2:
+        raise ValueError("merging needs at least two rla_table.json results")
+    first = summaries[0]
+    for k, other in enumerate(summaries[1:], 2):
+        for key in MERGE_KEYS:
+            if other.get(key) != first.get(key):
+                raise ValueError(f"result {k} differs from result 1 in {key!r} "
+                                 f"({other.get(key)!r} vs {first.get(key)!r}): not one table")
+    runs: dict[str, dict[str, Any]] = {}
+    for summary in summaries:
+        for row, by_seed in summary["runs"].items():
+            for seed, result in by_seed.items():
+                if seed in runs.get(row, {}):
+                    raise ValueError(f"row {row!r}, seed {seed} appears in two results")
+                runs.setdefault(row, {})[seed] = result
+    runs = {row: dict(sorted(runs[row].items(), key=lambda kv: int(kv[0])))
+            for row in sorted(runs, key=lambda r: list(ROWS).index(r))}
+    differs = []
+    for seed in sorted({s for by_seed in runs.values() for s in by_seed}, key=int):
+        befores = {row: _before_key(by_seed[seed]["before"])
+                   for row, by_seed in runs.items() if seed in by_seed}
+        if len({json.dumps(b, sort_keys=True) for b in befores.values()}) > 1:
+            differs.append({"seed": seed, "before": befores})
+    seeds = sorted({int(s) for by_seed in runs.values() for s in by_seed})
+    summary = summarize(runs, seeds, first["steps"], first.get("rm_label_noise", 0.0),
+                        sum(s.get("seconds", 0.0) for s in summaries))
+    summary.update({key: first.get(key) for key in MERGE_KEYS if key != "steps"},
+                   parallel=any(s.get("parallel") for s in summaries),
+                   merged_from=len(summaries), before_differs=differs)
+    return summary
+
+
+def _before_key(before: dict[str, Any]) -> dict[str, Any]:
+    """A "before" measurement without what may differ between equal runs (time, version)."""
+    return {k: v for k, v in before.items() if k not in ("seconds", "policy_version")}
+
+
+def write_table(summary: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rla_table.json").write_text(json.dumps(summary, indent=2))
     (out / "rla_table.md").write_text(table_markdown(summary))
     plot_table(summary, out / "rla_table.png")
-    return summary
 
 
 def _spread(values: list[float]) -> dict[str, Any]:
@@ -477,6 +531,13 @@ def table_markdown(summary: dict[str, Any]) -> str:
                 f"| {cell(t.get('target_balanced_acc', none), False)} "
                 f"| {cell(t['rm_balanced_change'], False)} "
                 f"| {cell(t.get('rm_outcome_balanced_change', none), False)} |")
+    if summary.get("merged_from"):
+        lines += ["", f"Merged from {summary['merged_from']} runs that share their warm starts, "
+                  "evaluation and scale (`clawray rla-table --merge`)."]
+        for d in summary.get("before_differs") or []:
+            successes = ", ".join(f"{row} {b.get('success')}" for row, b in d["before"].items())
+            lines.append(f"- seed {d['seed']}: the rows' before measurements differ "
+                         f"(held-out success {successes})")
     return "\n".join(lines) + "\n"
 
 

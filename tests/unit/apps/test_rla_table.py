@@ -169,3 +169,71 @@ def test_parallel_rows_record_every_row_under_its_own_app_and_write_the_table(tm
     saved = json.loads((tmp_path / "rla_table.json").read_text())
     assert list(saved["rows"]) == list(ROWS)
     assert "| policy+rm+env | 20.0 % | 50.0 % |" in (tmp_path / "rla_table.md").read_text()
+
+
+def table(runs: dict, **over) -> dict:
+    """A result as ``run_table`` writes it, from hand-made runs."""
+    s = summarize(runs, sorted({int(k) for r in runs.values() for k in r}), 2, 0.0, 5.0)
+    return {**s, "policy": "/p", "rm": "/rm", "sft_seed": 0, "eval_pool": "test",
+            "parallel": False, "scale": dataclasses.asdict(FULL), **over}
+
+
+def test_merge_makes_one_table_of_rows_run_apart_and_pairs_them_per_seed(tmp_path):
+    """The policy row run once, the RM rows later (``--rows``): one table, rows in the paper's
+    order, each row against the policy row of its seed; the same run's times add up."""
+    from clawray.apps.rla_table import merge_tables
+
+    policy = table({"policy": {"0": run((0.2, 0.3), (0.7, 0.7), [0]),
+                               "1": run((0.1, 0.3), (0.6, 0.6), [0])}})
+    rm_rows = table({"policy+rm+env": {"1": run((0.1, 0.5), (0.6, 0.7), [2]),
+                                       "0": run((0.2, 0.4), (0.7, 0.8), [1])},
+                     "policy+rm": {"0": run((0.2, 0.2), (0.7, 0.75), [0])}})
+    s = merge_tables([rm_rows, policy])
+    assert list(s["runs"]) == list(ROWS) and list(s["runs"]["policy+rm+env"]) == ["0", "1"]
+    assert s["seeds"] == [0, 1] and s["seconds"] == 10.0 and s["merged_from"] == 2
+    assert s["before_differs"] == [] and s["policy"] == "/p" and s["eval_pool"] == "test"
+    env = s["rows"]["policy+rm+env"]
+    assert env["success_vs_policy"]["values"] == pytest.approx([0.1, 0.2])
+    assert s["rows"]["policy+rm"]["success_vs_policy"]["values"] == pytest.approx([-0.1])
+    assert "Merged from 2 runs" in table_markdown(s)
+
+
+def test_merge_refuses_results_that_are_not_one_table_and_shows_unequal_befores():
+    from clawray.apps.rla_table import merge_tables
+
+    a = table({"policy": {"0": run((0.2, 0.3), (0.7, 0.7), [0])}})
+    b = table({"policy+rm": {"0": run((0.2, 0.3), (0.7, 0.7), [0])}})
+    with pytest.raises(ValueError, match="differs from result 1 in 'rm'"):
+        merge_tables([a, {**b, "rm": "/other-rm"}])
+    with pytest.raises(ValueError, match="differs from result 1 in 'scale'"):
+        merge_tables([a, {**b, "scale": dataclasses.asdict(SMALL)}])
+    with pytest.raises(ValueError, match="row 'policy', seed 0 appears in two results"):
+        merge_tables([a, a])
+    with pytest.raises(ValueError, match="at least two"):
+        merge_tables([a])
+    # Seeded "before" measurements should agree; where they do not, the table says so.
+    c = table({"policy+rm": {"0": run((0.25, 0.3), (0.7, 0.7), [0])}})
+    s = merge_tables([a, c])
+    assert [d["seed"] for d in s["before_differs"]] == ["0"]
+    assert "seed 0: the rows' before measurements differ (held-out success policy 0.2, " \
+        "policy+rm 0.25)" in table_markdown(s)
+
+
+def test_cli_merge_writes_the_table_and_a_bad_source_is_a_clear_error(tmp_path, capsys):
+    from clawray.apps.cli import main
+
+    for name, row in (("a", "policy"), ("b", "policy+rm")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rla_table.json").write_text(json.dumps(
+            table({row: {"0": run((0.2, 0.3), (0.7, 0.7), [0])}})))
+    out = tmp_path / "merged"
+    assert main(["rla-table", "--merge", str(tmp_path / "a"), str(tmp_path / "b" /
+                 "rla_table.json"), "--out", str(out)]) == 0
+    assert list(json.loads((out / "rla_table.json").read_text())["runs"]) == ["policy",
+                                                                              "policy+rm"]
+    assert (out / "rla_table.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Merged from 2 runs" in (out / "rla_table.md").read_text()
+    capsys.readouterr()
+    assert main(["rla-table", "--merge", str(tmp_path / "a"), str(tmp_path / "nothing"),
+                 "--out", str(out)]) != 0
+    assert f"--merge: no rla_table.json at {tmp_path / 'nothing'}" in capsys.readouterr().err

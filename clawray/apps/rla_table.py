@@ -531,6 +531,21 @@ def table_markdown(summary: dict[str, Any]) -> str:
                 f"| {cell(t.get('target_balanced_acc', none), False)} "
                 f"| {cell(t['rm_balanced_change'], False)} "
                 f"| {cell(t.get('rm_outcome_balanced_change', none), False)} |")
+    lines += ["", "Per seed: held-out success before → after, rollout success (the mean over the "
+              "steps), the co-trainer's RM rows over the run, accepted rewrites of proposed, and "
+              "the RM's balanced accuracy (p₊, p₋) before → after against the step oracle and "
+              "against the trajectory outcome.", "",
+              "| row | seed | held-out success | rollout success | RM rows | rewrites "
+              "| RM vs step oracle | RM vs outcome |", "|---|---|---|---|---|---|---|---|"]
+    for row, by_seed in summary["runs"].items():
+        for seed, r in by_seed.items():
+            lines.append(f"| {row} | {seed} | {_pct(r['before']['success'])} → "
+                         f"{_pct(r['after']['success'])} "
+                         f"| {_pct(_step_mean(r['steps'], 'rla_success'))} "
+                         f"| {sum(s.get('rla_rm_rows') or 0 for s in r['steps'])} "
+                         f"| {r.get('accepted_total', 0)} of "
+                         f"{sum(s.get('env_proposed') or 0 for s in r['steps'])} "
+                         f"| {_rm_change(r, 'rm')} | {_rm_change(r, 'rm_outcome')} |")
     if summary.get("merged_from"):
         lines += ["", f"Merged from {summary['merged_from']} runs that share their warm starts, "
                   "evaluation and scale (`clawray rla-table --merge`)."]
@@ -539,6 +554,20 @@ def table_markdown(summary: dict[str, Any]) -> str:
             lines.append(f"- seed {d['seed']}: the rows' before measurements differ "
                          f"(held-out success {successes})")
     return "\n".join(lines) + "\n"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f} %"
+
+
+def _rm_change(r: dict[str, Any], key: str) -> str:
+    """``0.792 (0.82, 0.77) → 0.854 (0.97, 0.73)``: balanced (p₊, p₋) before → after."""
+    def one(m: dict[str, Any] | None) -> str:
+        b = _rm(m or {})
+        if b.get("balanced_acc") is None:
+            return "-"
+        return f"{b['balanced_acc']:.3f} ({b['plus_acc']:.2f}, {b['minus_acc']:.2f})"
+    return f"{one(r['before'].get(key))} → {one(r['after'].get(key))}"
 
 
 def plot_table(summary: dict[str, Any], path: Path) -> None:

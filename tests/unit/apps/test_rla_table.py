@@ -237,3 +237,14 @@ def test_cli_merge_writes_the_table_and_a_bad_source_is_a_clear_error(tmp_path, 
     assert main(["rla-table", "--merge", str(tmp_path / "a"), str(tmp_path / "nothing"),
                  "--out", str(out)]) != 0
     assert f"--merge: no rla_table.json at {tmp_path / 'nothing'}" in capsys.readouterr().err
+
+
+def test_per_seed_lines_give_rollouts_rm_rows_rewrites_and_both_rm_labels():
+    r = run((0.185, 0.17), (0.8, 0.9), [1, 2])
+    r["steps"][0] |= {"rla_success": 0.1, "rla_rm_rows": 60, "env_proposed": 4}
+    r["steps"][1] |= {"rla_success": 0.3, "rla_rm_rows": 30, "env_proposed": 5}
+    r["before"]["rm_outcome"] = {"plus_acc": 0.6, "minus_acc": 0.8}
+    md = table_markdown(summarize({"policy+rm+env": {"2": r}}, [2], 2, 0.0, 1.0))
+    # p+ = a, p- = a - 0.2 (run's convention); no outcome measure after: a dash
+    assert ("| policy+rm+env | 2 | 18.5 % → 17.0 % | 20.0 % | 90 | 3 of 9 "
+            "| 0.700 (0.80, 0.60) → 0.800 (0.90, 0.70) | 0.700 (0.60, 0.80) → - |") in md

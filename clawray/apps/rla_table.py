@@ -586,7 +586,7 @@ def draw_table(summary: dict[str, Any]) -> Any:
 
     table = table_rows(summary)
     rows = list(table)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     x = np.arange(len(rows))
     for ax, key, title in ((axes[0], "success", "held-out policy success"),
                            (axes[1], "rm_balanced_acc", "RM balanced accuracy (vs step oracle)")):
@@ -602,5 +602,21 @@ def draw_table(summary: dict[str, Any]) -> Any:
             axes[2].plot(range(1, len(acc) + 1), acc, ".-", label=f"{row} (seed {seed})")
     axes[2].set(title="accepted rewrites (cumulative)", xlabel="step")
     axes[2].legend(fontsize=7)
+    # The co-trained RM on each step's own rollouts against the step oracle: p+ solid, p- dashed.
+    k = 0
+    for row in rows:
+        for seed, run in summary["runs"][row].items():
+            if not any(s.get("rm_version") for s in run["steps"]):
+                continue
+            for key, style in (("rm_plus_acc", "-"), ("rm_minus_acc", "--")):
+                axes[3].plot(range(1, len(run["steps"]) + 1),
+                             [s.get(key) if s.get(key) is not None else np.nan
+                              for s in run["steps"]], style, color=f"C{k}",
+                             label=f"{row} (seed {seed})" if style == "-" else None)
+            k += 1
+    axes[3].set(title="co-trained RM on its rollouts: p₊ (solid), p₋ (dashed)", xlabel="step",
+                ylim=(0, 1))
+    if k:
+        axes[3].legend(fontsize=7)
     fig.tight_layout()
     return fig

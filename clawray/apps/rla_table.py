@@ -79,7 +79,8 @@ STEP_KEYS = ("policy_version", "rm_version", "samples", "rla_success", "rla_acti
              "rla_policy_rows", "rla_rm_rows", "rm_step_acc", "rm_majority_acc",
              "rm_plus_acc", "rm_minus_acc", "rm_balanced_acc", "rm_mu", "target_plus_acc",
              "target_minus_acc", "target_balanced_acc", "trained_target_plus_acc",
-             "trained_target_minus_acc", "trained_target_balanced_acc", "rm_outcome_plus_acc",
+             "trained_target_minus_acc", "trained_target_balanced_acc",
+             "trained_target_positive_share", "rm_outcome_plus_acc",
              "rm_outcome_minus_acc", "rm_outcome_balanced_acc", "rm_outcome_mu", "rm_unparseable",
              "env_proposed", "env_accepted", "env_rejected",
              "time_rollout_s", "time_rm_score_s", "time_rm_update_s")
@@ -464,6 +465,11 @@ def summarize(runs: dict[str, dict[str, Any]], seeds: list[int], steps: int,
                for k in ("balanced_acc", "plus_acc", "minus_acc", "mu")
                for when in ("before", "after")},
             "rm_outcome_balanced_change": _spread([change(r, outcome_bal) for r in rs]),
+            # Which way co-training pushed the RM: the share of its trained steps whose target
+            # is +1 (per seed the mean over steps; results that predate the measure have none).
+            "target_positive_share": _spread([_step_mean(r["steps"],
+                                                         "trained_target_positive_share")
+                                              for r in rs]),
             "rm_outcome_mu_batches": _spread([_step_mean(r["steps"], "rm_outcome_mu")
                                               for r in rs]),
         }

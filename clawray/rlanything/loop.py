@@ -152,6 +152,9 @@ class TaskResult:
     # the RM, so every row reports what co-training would push toward.
     trained_target_plus: tuple[int, int] = (0, 0)
     trained_target_minus: tuple[int, int] = (0, 0)
+    # (steps pushed toward +1, steps pushed either way) among those: which way co-training
+    # pushes the RM overall, whatever the oracle says (at lambda = 1 it follows the outcomes).
+    trained_target_positive: tuple[int, int] = (0, 0)
     # The RM's single scorings per class of the trajectory outcome (Theorem 1's mu): steps of
     # successful episodes scored +1 (plus), steps of failed ones scored -1 (minus).
     rm_outcome_plus: tuple[int, int] = (0, 0)
@@ -223,6 +226,8 @@ def task_result(episodes: Sequence[Episode], scored: Sequence[Sequence[ScoredSte
         votes = [v for ep, steps in zip(episodes, scored) if bool(ep.success) == progress
                  for s in steps for v in s.scores if v is not None]
         by_class[f"rm_outcome_{name}"] = (sum(v == want for v in votes), len(votes))
+    pushed = [rw for _, rw in trained if rw != 0]
+    by_class["trained_target_positive"] = (sum(rw > 0 for rw in pushed), len(pushed))
     return TaskResult(acc, policy_rows, rm_out, critique, right, parseable,
                       sum(v is None for s in flat for v in s.scores),
                       sum(m == (1 if p else -1) for m, p in majority), len(majority),
@@ -235,16 +240,18 @@ def class_accuracy(results: Sequence[TaskResult], prefix: str) -> dict[str, floa
     scorings (``prefix`` "rm"), the co-trainer's consistency target ("target",
     "trained_target"), or the RM's scorings against the trajectory outcome ("rm_outcome":
     p+ on steps of successful episodes); None where a class had no step."""
-    def rate(name: str) -> float | None:
-        right = sum(getattr(x, name)[0] for x in results)
-        n = sum(getattr(x, name)[1] for x in results)
-        return right / n if n else None
-
-    plus, minus = rate(f"{prefix}_plus"), rate(f"{prefix}_minus")
+    plus, minus = _share(results, f"{prefix}_plus"), _share(results, f"{prefix}_minus")
     both = plus is not None and minus is not None
     return {f"{prefix}_plus_acc": plus, f"{prefix}_minus_acc": minus,
             f"{prefix}_balanced_acc": (plus + minus) / 2 if both else None,
             f"{prefix}_mu": plus + minus if both else None}
+
+
+def _share(results: Sequence[TaskResult], name: str) -> float | None:
+    """``right / n`` of a ``(right, n)`` count summed over ``results``; None when n is 0."""
+    right = sum(getattr(x, name)[0] for x in results)
+    n = sum(getattr(x, name)[1] for x in results)
+    return right / n if n else None
 
 
 class RLAnythingLoop:
@@ -332,6 +339,7 @@ class RLAnythingLoop:
             "rm_unparseable": sum(x.rm_unparseable for x in results),
             **class_accuracy(results, "rm"), **class_accuracy(results, "target"),
             **class_accuracy(results, "trained_target"), **class_accuracy(results, "rm_outcome"),
+            "trained_target_positive_share": _share(results, "trained_target_positive"),
             "env_accepted": len(decision.get("accepted", [])),
             "env_rejected": len(decision.get("rejected", [])),
             "env_proposed": len(decision.get("proposed", [])),

@@ -134,6 +134,13 @@ def test_rm_and_consistency_target_accuracy_per_class(tiny_tokenizer):
     assert n_trained > 0 and n_trained == len(split[0].rm_rows) // 3  # m = 3 rows a step
     assert split[1].rm_rows == []
     assert class_accuracy([], "rm")["rm_balanced_acc"] is None
+    # Which way co-training pushes overall: R = O + 1/3 > 0 on the expert's (successful)
+    # rollouts, O + 1/3 < 0 on the failed ones, so the positive share is the successful
+    # rollouts' share of the trained steps.
+    up, n = split[0].trained_target_positive
+    assert n == n_trained and up == sum(len(step_contexts(ep)) for ep in eps if ep.success)
+    assert 0 < up < n
+    assert oracle.trained_target_positive == (0, 0)  # nothing trained, nothing pushed
 
 
 def test_rm_accuracy_against_the_trajectory_outcome(tiny_tokenizer):

@@ -352,6 +352,7 @@ def merge_tables(summaries: list[dict[str, Any]]) -> dict[str, Any]:
                 if seed in runs.get(row, {}):
                     raise ValueError(f"row {row!r}, seed {seed} appears in two results")
                 runs.setdefault(row, {})[seed] = result
+    check_rows(list(runs))
     runs = {row: dict(sorted(runs[row].items(), key=lambda kv: int(kv[0])))
             for row in sorted(runs, key=lambda r: list(ROWS).index(r))}
     differs = []

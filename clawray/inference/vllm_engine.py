@@ -47,6 +47,7 @@ from clawray.inference.engine import (
 )
 from clawray.inference.grammar import check_structural_tag
 from clawray.inference.multi_lora import LORA_FORMAT, peft_lora_config
+from clawray.inference.watchdog import ProcessWatchdog, children_now
 
 logger = logging.getLogger(__name__)
 
@@ -455,6 +456,7 @@ class VLLMEngine:
         # a neighbour's adapter (measured: the base row decoded bob's ids). There, while named
         # adapters are loaded, base requests run on an all-zero adapter instead.
         self._zero_lora: tuple[int, int, Any] | None = None
+        self._watchdog: ProcessWatchdog | None = None  # from_config starts one
 
     @classmethod
     def from_config(
@@ -481,8 +483,13 @@ class VLLMEngine:
         # "auto" backend would hand a refused one to guidance, which cannot read them.
         kwargs.setdefault("structured_outputs_config", StructuredOutputsConfig(backend="xgrammar"))
         args = AsyncEngineArgs(**kwargs)
-        return cls(AsyncLLM.from_engine_args(args), model=model_path,
-                   policy_version=policy_version, max_waiting=max_waiting)
+        before = children_now()
+        engine = cls(AsyncLLM.from_engine_args(args), model=model_path,
+                     policy_version=policy_version, max_waiting=max_waiting)
+        # vLLM's engine core outlives a replica whose Ray node dies (nothing watches its
+        # parent): a watchdog process reaps it then (inference/watchdog.py).
+        engine._watchdog = ProcessWatchdog.start(children_now() - before)
+        return engine
 
     @property
     def policy_version(self) -> int:
@@ -654,6 +661,8 @@ class VLLMEngine:
             # AsyncLLM.__del__ shuts down again; at interpreter exit that raised ("'NoneType'
             # object is not callable": vLLM's module globals are gone by then).
             self._llm.shutdown = lambda *args, **kwargs: None
+            if self._watchdog is not None:
+                self._watchdog.stop()
             self._checkpoint.cleanup()
             if self._lora_root is not None:
                 shutil.rmtree(self._lora_root, ignore_errors=True)

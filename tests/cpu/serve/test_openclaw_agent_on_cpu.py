@@ -38,7 +38,10 @@ def openclaw_path() -> str:
 
 def _config(base: str, api_key: str, model: str, api: str) -> dict:
     url = base if api == "anthropic-messages" else base + "/v1"
-    return {"agents": {"defaults": {"model": {"primary": f"clawray/{model}"}}},
+    # temperature 0 (OpenClaw sends it in every API mode): the tiny model's replies are greedy,
+    # so the test checks serving and recording, not what a sampled reply happens to be
+    return {"agents": {"defaults": {"model": {"primary": f"clawray/{model}"},
+                            "params": {"temperature": 0}}},
             "plugins": {"enabled": False},
             "models": {"mode": "merge", "providers": {"clawray": {
                 "baseUrl": url, "apiKey": api_key, "timeoutSeconds": 300, "api": api,
@@ -69,15 +72,20 @@ def _run_mode(api: str, openclaw_path: str, served) -> tuple[str, list]:
                    message, "--json"]
             if bridge is not None:
                 cmd = loopback_ns.isolated(cmd, bridge, app_port)
-            run = subprocess.run(cmd, env=env, cwd=home, stdin=subprocess.DEVNULL,
-                                 capture_output=True, text=True, timeout=300)
+            try:
+                run = subprocess.run(cmd, env=env, cwd=home, stdin=subprocess.DEVNULL,
+                                     capture_output=True, text=True, timeout=300)
+            except subprocess.TimeoutExpired as e:
+                failures.append(f"the agent did not finish in 300 s: {str(e.stderr)[-2000:]}")
+                break
             if run.returncode == 0:
                 out = json.loads(run.stdout[run.stdout.index("{"):])
                 if "payloads" not in out:
                     failures.append(run.stdout[-2000:])
-            # The tiny model's reply can run into maxTokens; OpenClaw then reports an
-            # "incomplete turn" (stopReason=length) and exits 1. That is the model's answer,
-            # served and recorded; any other failure is ours.
+            # The tiny model's greedy reply to OpenClaw's prompt runs into maxTokens (an
+            # unclosed "<tool_call>" and noise); OpenClaw then reports an "incomplete turn"
+            # (stopReason=length) and exits 1. That is the model's answer, served and
+            # recorded; any other failure is ours.
             elif not ("incomplete turn detected" in run.stderr
                       and "stopReason=length" in run.stderr):
                 failures.append(run.stderr[-3000:])
@@ -101,13 +109,18 @@ def agent_runs(openclaw_path, served) -> dict[str, tuple[str, list]]:
 @pytest.mark.parametrize("api", MODES)
 def test_the_openclaw_agent_is_served_and_recorded_in_each_api_mode(api, agent_runs, served):
     marker, failures = agent_runs[api]
-    assert not failures, failures
 
     def ours(rec) -> bool:
         return any(marker in json.dumps(m.get("content")) for m in rec.messages
                    if m["role"] == "user")
 
     recs = [r for r in served.records(expected=10**9, timeout_s=5) if ours(r)]
+    # what clawray served this agent, next to what the agent made of it
+    served_turns = [{"finish": r.finish_reason, "text": r.response_text[:300],
+                     "tool_calls": r.tool_calls, "sampling": r.sampling} for r in recs]
+    assert not failures, {"agent": failures, "served": served_turns}
+    # greedy (the agent's params.temperature): what the tiny model answers is not luck
+    assert all(r.sampling["temperature"] == 0 for r in recs), served_turns
     assert len(recs) >= 2, f"{len(recs)} records of {api}"
     assert len({r.session_id for r in recs}) == 1, [r.session_id for r in recs]
     second = recs[-1]

@@ -42,8 +42,9 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
-from statistics import NormalDist
 from typing import Any, Callable
+
+from clawray.gate import significance
 
 BASE = 0  # version 0: the base model, always available
 
@@ -272,23 +273,27 @@ class GateCore:
                                    max_length_ratio=s.max_length_ratio,
                                    max_broken_tool_calls=s.max_broken_tool_calls,
                                    reference_readable=self.reference_readable)
-        if self.reference_score is None:
+        first = self.reference_score is None  # the reference is this incumbent, just measured
+        if first:
             self.reference_score = mean_i
-        # lower by more than the margin, and significantly lower (one-sided, paired): noise
-        # alone rejects a candidate as good as the incumbent at most shadow_alpha of the time
-        z = NormalDist().inv_cdf(1 - s.shadow_alpha)
-        noise = z * (se_d if math.isfinite(se_d) else 0.0)
-        evidence["significant_below"] = noise
-        if mean_d < -s.shadow_margin and mean_d + noise < 0:
+        # lower by more than the margin, and significantly lower (one-sided paired t-test at
+        # shadow_alpha): noise alone rejects a candidate as good as the incumbent at most
+        # shadow_alpha of the time (measured: tests/unit/gate/test_significance.py)
+        p_below = significance.paired_below(candidate_scores, incumbent_scores)
+        p_below_ref = significance.below_value(candidate_scores, self.reference_score)
+        half = significance.t_half_width(diffs, s.shadow_alpha)
+        evidence.update(p_below=p_below, p_below_reference=p_below_ref,
+                        significant_below=half)
+        if mean_d < -s.shadow_margin and p_below < s.shadow_alpha:
             problems.append(f"held-out score {mean_c:.3f} against the incumbent's {mean_i:.3f} "
                             f"(lower by {-mean_d:.3f} > margin {s.shadow_margin:g}, "
-                            f"significant: {-mean_d:.3f} > {noise:.3f})")
-        elif (mean_c < self.reference_score - s.shadow_margin
-              and mean_c + noise < self.reference_score):
+                            f"significant: p = {p_below:.3g} < {s.shadow_alpha:g})")
+        elif (not first and mean_c < self.reference_score - s.shadow_margin
+              and p_below_ref < s.shadow_alpha):
             problems.append(f"held-out score {mean_c:.3f} against the reference's "
                             f"{self.reference_score:.3f} (lower by "
                             f"{self.reference_score - mean_c:.3f} > margin {s.shadow_margin:g}, "
-                            f"beyond noise {noise:.3f})")
+                            f"significant: p = {p_below_ref:.3g} < {s.shadow_alpha:g})")
         if problems:
             return self._abandon(version, "rejected", "shadow: " + "; ".join(problems),
                                  evidence=evidence)
@@ -354,30 +359,35 @@ class GateCore:
         ``canary_min_turns`` on each side. Guards are checked at every report, without a
         correction for it: they err toward rolling back."""
         s = self.settings
-        z = NormalDist().inv_cdf(1 - s.canary_alpha / s.canary_looks)
+        alpha = s.canary_alpha / s.canary_looks
         problems = []
         c, i = self.serving.get("candidate"), self.serving.get("incumbent")
         if c and i and min(c["requests"], i["requests"]) >= s.canary_min_turns:
-            d, lo = _proportion_gap(c["errors"], c["requests"], i["errors"], i["requests"], z)
-            if d > s.canary_max_error_increase and lo > 0:
+            d = c["errors"] / c["requests"] - i["errors"] / i["requests"]
+            p = significance.rate_higher(c["errors"], c["requests"], i["errors"], i["requests"])
+            if d > s.canary_max_error_increase and p < alpha:
                 problems.append(f"server errors {c['errors'] / c['requests']:.1%} against "
                                 f"{i['errors'] / i['requests']:.1%} (higher by {d:.1%} > "
-                                f"{s.canary_max_error_increase:.1%}, significant)")
+                                f"{s.canary_max_error_increase:.1%}, significant: p = {p:.3g})")
         if c and i and min(c["timed"], i["timed"]) >= s.canary_min_turns:
-            mc, vc = _mean_var(c["s_per_token"], c["s_per_token_sq"], c["timed"])
-            mi, vi = _mean_var(i["s_per_token"], i["s_per_token_sq"], i["timed"])
-            se = math.sqrt(vc / c["timed"] + vi / i["timed"])
-            if mi > 0 and mc / mi > s.canary_max_latency_ratio and mc - mi - z * se > 0:
+            w = significance.Welch(*_mean_var(c["s_per_token"], c["s_per_token_sq"], c["timed"]),
+                                   c["timed"],
+                                   *_mean_var(i["s_per_token"], i["s_per_token_sq"], i["timed"]),
+                                   i["timed"])
+            mc, mi = w.mean1, w.mean2
+            if mi > 0 and mc / mi > s.canary_max_latency_ratio and (p := w.p_greater()) < alpha:
                 problems.append(f"latency {mc * 1e3:.1f} ms per token against "
                                 f"{mi * 1e3:.1f} ({mc / mi:.2f}x > "
-                                f"{s.canary_max_latency_ratio:g}x, significant)")
+                                f"{s.canary_max_latency_ratio:g}x, significant: p = {p:.3g})")
         a, b = self.arms["candidate"], self.arms["incumbent"]
         if min(a.n, b.n) >= s.canary_min_turns:
-            d, lo = _proportion_gap(a.regenerated, a.n, b.regenerated, b.n, z)
-            if d > s.canary_max_regenerate_increase and lo > 0:
+            d = a.regenerated / a.n - b.regenerated / b.n
+            p = significance.rate_higher(a.regenerated, a.n, b.regenerated, b.n)
+            if d > s.canary_max_regenerate_increase and p < alpha:
                 problems.append(f"regenerated {a.regenerated / a.n:.1%} of turns against "
                                 f"{b.regenerated / b.n:.1%} (higher by {d:.1%} > "
-                                f"{s.canary_max_regenerate_increase:.1%}, significant)")
+                                f"{s.canary_max_regenerate_increase:.1%}, significant: "
+                                f"p = {p:.3g})")
         return problems
 
     def canary_stats(self) -> dict[str, Any]:
@@ -391,10 +401,12 @@ class GateCore:
             for side, a in (("candidate", c), ("incumbent", i))}
         out.update(look=self.look, looks=s.canary_looks, margin=s.canary_margin)
         if c.n >= 2 and i.n >= 2:
-            d = c.mean - i.mean
-            se = math.sqrt(c.var / c.n + i.var / i.n)
-            z = NormalDist().inv_cdf(1 - s.canary_alpha / s.canary_looks)
-            out.update(difference=d, se=se, z=z, lower=d - z * se, upper=d + z * se)
+            # Welch's t (scipy) at canary_alpha / canary_looks, one-sided each way
+            w = significance.Welch(c.mean, c.var, c.n, i.mean, i.var, i.n)
+            alpha = s.canary_alpha / s.canary_looks
+            lower, upper = w.bounds(alpha)
+            out.update(difference=w.difference, se=w.se, df=w.df, lower=lower, upper=upper,
+                       p_non_inferior=w.p_greater(-s.canary_margin), p_worse=w.p_less(0.0))
         return out
 
     def _canary_test(self) -> dict[str, Any] | None:
@@ -411,12 +423,13 @@ class GateCore:
         if problems:
             return self._abandon(version, "rolled_back", f"canary: at look {self.look}: "
                                  + "; ".join(problems), evidence=st)
-        if st["lower"] > -s.canary_margin:
+        alpha = s.canary_alpha / s.canary_looks
+        if st["p_non_inferior"] < alpha:
             return self._promote(version, f"canary: non-inferior at look {self.look} (reward "
                                  f"{c.mean:+.3f} vs {i.mean:+.3f}, lower bound of the "
                                  f"difference {st['lower']:+.3f} > -{s.canary_margin:g})",
                                  evidence=st)
-        if st["upper"] < 0:
+        if st["p_worse"] < alpha:
             return self._abandon(version, "rolled_back", f"canary: worse at look {self.look} "
                                  f"(reward {c.mean:+.3f} vs {i.mean:+.3f}, upper bound of "
                                  f"the difference {st['upper']:+.3f} < 0)", evidence=st)
@@ -569,12 +582,3 @@ class GateCore:
 def _mean_var(total: float, total_sq: float, n: float) -> tuple[float, float]:
     mean = total / n
     return mean, max(0.0, (total_sq - total * total / n) / (n - 1)) if n > 1 else 0.0
-
-
-def _proportion_gap(x1: float, n1: float, x2: float, n2: float, z: float
-                    ) -> tuple[float, float]:
-    """The difference of two rates (first minus second) and its lower confidence bound
-    (pooled standard error, normal approximation)."""
-    d = x1 / n1 - x2 / n2
-    p = (x1 + x2) / (n1 + n2)
-    return d, d - z * math.sqrt(p * (1 - p) * (1 / n1 + 1 / n2))

@@ -1,45 +1,57 @@
-"""Streaming text from streamed token ids, exactly equal to decoding all ids at once.
+"""Streaming text from streamed token ids, equal to decoding all ids at once.
 
-Byte-level BPE tokens can end inside a multi-byte character, so text is only released once the
-decoded window no longer ends in a replacement character; ``finish()`` releases the rest so the
-concatenated deltas always equal ``tokenizer.decode(all_ids, skip_special_tokens=True)``.
-``StopCutter`` holds back just enough text that a stop string split over several tokens is never
-streamed, and cuts the final text before the first stop string.
+``IncrementalDetokenizer`` is the ``tokenizers`` library's own incremental decoder
+(``tokenizers.decoders.DecodeStream``): byte-level BPE tokens can end inside a multi-byte
+character, and it releases text only once the character is whole. ``finish()`` checks the
+streamed text against ``tokenizer.decode(all_ids, skip_special_tokens=True)`` and releases
+whatever the full decoding has beyond it, so no text is ever lost. ``StopCutter`` holds back
+just enough text that a stop string split over several tokens is never streamed, and cuts the
+final text before the first stop string.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class IncrementalDetokenizer:
+    """Text deltas of a stream of ids, for a Hugging Face tokenizer backed by ``tokenizers``
+    (``tokenizer.backend_tokenizer``; every tokenizer clawray loads is one)."""
+
     def __init__(self, tokenizer: Any) -> None:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream
+
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if not isinstance(backend, Tokenizer):
+            raise TypeError(f"streaming needs a tokenizer backed by the tokenizers library "
+                            f"(a 'fast' tokenizer); got {type(tokenizer).__name__}")
         self._tok = tokenizer
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=True)
         self.ids: list[int] = []
         self.text = ""
-        self._prefix = 0  # start of the decode window
-        self._read = 0  # ids before this are released
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
 
     def add(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        before = self._decode(self.ids[self._prefix : self._read])
-        after = self._decode(self.ids[self._prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before):
-            delta = after[len(before) :]
-            self._prefix, self._read = self._read, len(self.ids)
-            self.text += delta
-            return delta
-        return ""
+        pieces = [self._stream.step(self._backend, int(i)) for i in new_ids]
+        delta = "".join(p for p in pieces if p)
+        self.text += delta
+        return delta
 
     def finish(self) -> str:
-        full = self._decode(self.ids)
-        if full.startswith(self.text):
-            delta = full[len(self.text) :]
-        else:  # cannot happen for sane tokenizers; never lose text
-            delta = ""
+        """The text of the ids not released yet; the streamed text then equals the full
+        decoding (or, should the two ever disagree, the full decoding's text beyond the
+        streamed length is still released, and the disagreement logged)."""
+        full = self._tok.decode(self.ids, skip_special_tokens=True)
+        if not full.startswith(self.text):
+            logger.warning("streamed text differs from the full decoding of the same ids "
+                           "(%d ids): streamed %r, decoded %r", len(self.ids), self.text[-80:],
+                           full[-80:])
+        delta = full[len(self.text):]
         self.text += delta
         return delta
 

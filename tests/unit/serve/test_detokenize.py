@@ -16,6 +16,10 @@ class _Tok:
                                 trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
         self.t = tok
 
+    @property
+    def backend_tokenizer(self):
+        return self.t
+
     def encode(self, s):
         return self.t.encode(s).ids
 
@@ -49,3 +53,24 @@ def test_stop_cutter_never_emits_a_stop_string(text, sizes):
     out += cutter.feed(text[pos:]) + cutter.finish()
     cut = first_stop(text, stops)
     assert out == (text if cut is None else text[:cut])
+
+
+def test_a_tokenizer_without_a_tokenizers_backend_is_a_clear_error():
+    import pytest
+
+    class Slow:
+        def decode(self, ids, skip_special_tokens=True):
+            return ""
+
+    with pytest.raises(TypeError, match="fast"):
+        IncrementalDetokenizer(Slow())
+
+
+def test_finish_never_drops_text_the_full_decoding_has():
+    """Text the stream held back is released at the end, and should the streamed text and the
+    full decoding ever disagree, the decoding's text beyond the streamed length still is."""
+    for streamed in ("hello", "HELLO"):
+        d = IncrementalDetokenizer(TOK)
+        d.add(TOK.encode("hello world"))
+        d.text = streamed  # as if the stream had released only five characters
+        assert d.finish() == " world" and d.text == streamed + " world"

@@ -48,30 +48,10 @@ PROMPTS = ["Tell me about Ann.", "hi", "What's the weather in Oslo?", "Add 2 and
 
 
 def validate(value, schema) -> None:
-    """A small JSON-schema check for the keywords these tests use."""
-    if "enum" in schema:
-        assert value in schema["enum"], (value, schema)
-        return
-    kind = schema["type"]
-    if kind == "object":
-        assert isinstance(value, dict)
-        assert set(schema.get("required", [])) <= set(value)
-        if schema.get("additionalProperties") is False:
-            assert set(value) <= set(schema["properties"]), value
-        for key, sub in schema.get("properties", {}).items():
-            if key in value:
-                validate(value[key], sub)
-    elif kind == "integer":
-        assert isinstance(value, int) and not isinstance(value, bool)
-        assert schema.get("minimum", value) <= value <= schema.get("maximum", value)
-    elif kind == "string":
-        assert isinstance(value, str) and len(value) <= schema.get("maxLength", len(value))
-    elif kind == "array":
-        assert isinstance(value, list) and len(value) <= schema.get("maxItems", len(value))
-        for item in value:
-            validate(item, schema["items"])
-    else:
-        raise AssertionError(f"unexpected schema type {kind}")
+    """The JSON-schema check (the ``jsonschema`` library, Draft 2020-12)."""
+    import jsonschema
+
+    jsonschema.validate(value, schema, cls=jsonschema.Draft202012Validator)
 
 
 @pytest.fixture(scope="module")

@@ -562,7 +562,8 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print
         machine["load_avg_start"] = [round(x, 2) for x in os.getloadavg()]
         rounds = measure(cfg, load, prompts, args, log)
         machine["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
-        from clawray.rollout.runner import NAMESPACE as ENV_NAMESPACE, env_names
+        from clawray.names import NAMESPACE as ENV_NAMESPACE
+        from clawray.rollout.runner import env_names
 
         buffer = ray.get_actor(env_names(APP, cfg)["buffer"], namespace=ENV_NAMESPACE)
         row_lengths = runner_prompt_lengths(cfg, buffer)

@@ -1,7 +1,8 @@
 """Crash-safe file writes: a file is either its old contents or its new ones, never half.
 
 Used wherever clawray keeps state on disk (the buffer's segments and checkpoint, curricula,
-the environment adapter, per-user adapters)."""
+the environment adapter, per-user adapters, the gate's payloads, a hub's compacted journal,
+hashed system prompts, the transformers engine's spilled LoRA adapters)."""
 
 from __future__ import annotations
 

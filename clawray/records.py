@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import json
 import logging
-import os
+import pkgutil
 import queue
 import threading
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Protocol
+
+from clawray.files import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +133,7 @@ class TextStore:
             path = self.folder / f"{digest}.txt"
             if not path.exists():
                 self.folder.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-                tmp.write_text(text, encoding="utf-8")
-                os.replace(tmp, path)
+                write_atomic(path, lambda f: f.write(text.encode("utf-8")))
             self._known.add(digest)
         return digest
 
@@ -258,9 +257,7 @@ def make_sink(kind: str, records_path: str, system_prompt: str = "inline") -> Re
     if kind == "none":
         return NullSink()
     if ":" in kind:
-        module, _, attr = kind.partition(":")
-        factory = getattr(importlib.import_module(module), attr)
-        return factory()
+        return pkgutil.resolve_name(kind)()
     raise ValueError(
         f"unknown record sink {kind!r}: use 'jsonl', 'memory', 'none' or 'module:factory'"
     )

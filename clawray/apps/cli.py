@@ -308,7 +308,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     import ray
 
     from clawray.gate.actor import get_policy_gate
-    from clawray.weights.control import NAMESPACE
+    from clawray.names import NAMESPACE
 
     if args.action in ("rollback", "pin") and args.version is None:
         raise ConfigError(f"`clawray gate {args.action}` needs a version (0: the base model)")
@@ -357,7 +357,8 @@ def forget_rows(cfg: ClawRayConfig, user: str, samples: str | None, app: str) ->
     if samples is None:
         import ray
 
-        from clawray.sessions.pipeline import NAMESPACE, names
+        from clawray.names import NAMESPACE
+        from clawray.sessions.pipeline import names
 
         try:
             ray.init(address="auto", namespace=NAMESPACE, logging_level=logging.WARNING,

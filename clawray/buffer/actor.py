@@ -21,6 +21,7 @@ import ray
 
 from clawray.buffer.core import SampleBufferCore, SealJob, Slice
 from clawray.config import BufferConfig
+from clawray.names import NAMESPACE
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +218,7 @@ class SampleBuffer:
         return "pong"
 
 
-def start_sample_buffer(cfg: BufferConfig, name: str, namespace: str = "clawray") -> Any:
+def start_sample_buffer(cfg: BufferConfig, name: str, namespace: str = NAMESPACE) -> Any:
     """The named, detached SampleBuffer (created if missing); it restarts after a crash and
     recovers from ``cfg.path``. In-flight calls fail on a crash (no retries): callers retry."""
     return SampleBuffer.options(

@@ -8,6 +8,7 @@ from typing import Any
 import ray
 
 from clawray.curriculum.core import Curriculum
+from clawray.names import NAMESPACE
 
 
 @ray.remote(num_cpus=0)
@@ -18,7 +19,7 @@ class CurriculumActor(Curriculum):
         return "pong"
 
 
-def get_or_create_curriculum(name: str, namespace: str = "clawray",
+def get_or_create_curriculum(name: str, namespace: str = NAMESPACE,
                              runtime_env: dict[str, Any] | None = None, **kwargs: Any) -> Any:
     """The named curriculum actor (created with ``Curriculum(**kwargs)`` if missing; an
     existing one keeps its settings). It is owned by the caller (not detached).

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 from typing import Any
 
 from clawray.envs.base import (POOLS, Action, Demonstration, EnvError, Param, Pooled,
@@ -22,18 +22,17 @@ BUILTIN = {
 
 def _import(path: str) -> Any:
     module, _, attr = path.partition(":")
-    if not module or not attr:
-        raise EnvError(f"environment {path!r}: expected a built-in name ({', '.join(BUILTIN)}), "
-                       "'gym:<env id>' or an import path 'package.module:attr'")
     try:
-        obj = importlib.import_module(module)
+        if not module or not attr:
+            raise ValueError(path)
+        return pkgutil.resolve_name(path)
     except ImportError as e:
         raise EnvError(f"environment {path!r}: cannot import {module!r}: {e}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise EnvError(f"environment {path!r}: {module!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
+    except AttributeError:
+        raise EnvError(f"environment {path!r}: {module!r} has no attribute {attr!r}") from None
+    except ValueError as e:  # resolve_name: not identifiers
+        raise EnvError(f"environment {path!r}: expected a built-in name ({', '.join(BUILTIN)}), "
+                       "'gym:<env id>' or an import path 'package.module:attr'") from e
 
 
 def make_family(name: str, **kwargs: Any) -> TaskFamily:

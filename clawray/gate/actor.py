@@ -22,9 +22,9 @@ never through the public HTTP API.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import logging
+import pkgutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +36,8 @@ from clawray.config import GateConfig
 from clawray.files import write_atomic
 from clawray.gate.core import BASE, GateCore, GateSettings, adapter_name, merge_serving
 from clawray.gate.health import health
-from clawray.weights.control import NAMESPACE, check_payload_box, start_app_control
+from clawray.names import NAMESPACE, gate_name
+from clawray.weights.control import check_payload_box, start_app_control
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +48,6 @@ BUILTIN_PROMPTS = ["Hello!", "What can you do?", "Thanks for the help.",
                    "Can you explain what a list is?", "Good morning.", "Tell me about yourself.",
                    "How are you today?", "Please summarize our conversation.",
                    "What is a good name for a cat?", "Why is the sky blue?"]
-
-
-def gate_name(app: str) -> str:
-    return f"{app}:gate"
 
 
 @dataclass
@@ -84,10 +81,9 @@ def load_shadow_set(spec: str | None, kwargs: dict[str, Any] | None = None) -> S
         if not prompts:
             raise ValueError(f"gate.shadow_set {path}: no prompts")
         return ShadowSet(prompts, name=str(path))
-    module, _, attr = spec.partition(":")
-    if not attr:
+    if not spec.partition(":")[2]:
         raise ValueError(f"gate.shadow_set {spec!r}: a .jsonl file or 'module:factory'")
-    made = getattr(importlib.import_module(module), attr)(**(kwargs or {}))
+    made = pkgutil.resolve_name(spec)(**(kwargs or {}))
     if not isinstance(made, ShadowSet) or not made.prompts:
         raise ValueError(f"gate.shadow_set {spec!r} returned {type(made).__name__}, not a "
                          "ShadowSet with prompts")

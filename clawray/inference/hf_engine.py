@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator, Callable, Iterable
 
 import torch
 
+from clawray.files import write_atomic
 from clawray.inference.engine import (
     EngineError,
     EngineStatus,
@@ -372,8 +373,7 @@ class HFEngine:
             self._store_dir = tempfile.mkdtemp(prefix="clawray-adapters-")
         path = os.path.join(self._store_dir,
                             hashlib.sha256(name.encode()).hexdigest()[:24] + ".pt")
-        torch.save(payload, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        write_atomic(path, lambda f: torch.save(payload, f))
         return path
 
     async def _restore(self, name: str) -> None:

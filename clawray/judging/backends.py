@@ -12,9 +12,9 @@ retry on its own and retries never multiply.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import os
+import pkgutil
 import re
 from typing import Any, Protocol, runtime_checkable
 
@@ -42,18 +42,16 @@ class JudgeBackend(Protocol):
 def import_object(path: str) -> Any:
     """``"package.module:attr"`` (``attr`` may be dotted) → the object."""
     module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"judge function {path!r} must look like 'package.module:attr'")
     try:
-        obj: Any = importlib.import_module(module_name)
+        if not sep or not module_name or not attr:
+            raise ValueError(path)
+        return pkgutil.resolve_name(path)
     except ImportError as e:
         raise ValueError(f"cannot import judge module {module_name!r}: {e}") from e
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(f"judge function {path!r}: {part!r} not found") from None
-    return obj
+    except AttributeError:
+        raise ValueError(f"judge function {path!r}: {attr!r} not found") from None
+    except ValueError as e:  # resolve_name: not identifiers
+        raise ValueError(f"judge function {path!r} must look like 'package.module:attr'") from e
 
 
 async def _call(fn: Any, *args: Any) -> Any:

@@ -11,6 +11,7 @@ from typing import Any
 
 import ray
 
+from clawray.names import NAMESPACE
 from clawray.rlanything.env_adapter import AdapterConfig, EnvAdapterCore, build_family
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class EnvAdapter:
             return self.core.save(path)
 
 
-def get_or_create_env_adapter(name: str, namespace: str = "clawray",
+def get_or_create_env_adapter(name: str, namespace: str = NAMESPACE,
                               runtime_env: dict[str, Any] | None = None, **kwargs: Any) -> Any:
     """The named env adapter actor (created with ``EnvAdapter(**kwargs)`` if missing; an
     existing one keeps its settings), owned by the caller.

@@ -57,6 +57,7 @@ from clawray.envs.base import Task
 from clawray.envs.rollout import Episode
 from clawray.judging.backends import FunctionBackend, make_backend
 from clawray.judging.step_rm import parse_step_score
+from clawray.names import NAMESPACE, env_adapter_name, rm_buffer_name
 from clawray.rlanything import core
 from clawray.rlanything.env_adapter_actor import get_or_create_env_adapter
 from clawray.rlanything.rm_cotrainer import rm_rows, start_rm_cotrainer
@@ -64,7 +65,6 @@ from clawray.rlanything.steps import StepContext, step_contexts, step_rm_request
 from clawray.samples import make_row
 
 logger = logging.getLogger(__name__)
-NAMESPACE = "clawray"
 SCORING_CONCURRENCY = 64
 
 
@@ -264,7 +264,7 @@ class RLAnythingLoop:
         e = cfg.environments_cfg
         family = e.family
         self.adapter = get_or_create_env_adapter(
-            f"{app}:env-adapter", namespace=NAMESPACE, runtime_env=e.runtime_env,
+            env_adapter_name(app), namespace=NAMESPACE, runtime_env=e.runtime_env,
             family_name=family, family_kwargs=e.family_kwargs,
             pool=e.pool("train"), n_slots=r.slots, per_step=r.slots_per_step, seed=e.seed,
             max_difficulty=cfg.curriculum_cfg.max_difficulty,
@@ -280,7 +280,7 @@ class RLAnythingLoop:
             self.rm_buffer = start_sample_buffer(
                 cfg.buffer_cfg.model_copy(update={"path": cfg.buffer_cfg.path.rstrip("/") + "-rm",
                                                   "seal_age_s": e.buffer_seal_age_s}),
-                name=f"{app}:rm-buffer", namespace=NAMESPACE)
+                name=rm_buffer_name(app), namespace=NAMESPACE)
             ray.get(self.rm_buffer.ping.remote())
         self.step_no = 0
 

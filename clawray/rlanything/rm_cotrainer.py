@@ -30,8 +30,9 @@ import ray
 from clawray.config import ClawRayConfig, TrainingConfig
 from clawray.learner.group import LearnerGroup
 from clawray.models.loader import judge_model_info
+from clawray.names import judge_channel
 from clawray.samples import concat, make_row, rows_to_batch
-from clawray.weights.control import judge_channel, start_app_control
+from clawray.weights.control import start_app_control
 from clawray.weights.publisher import WeightPublisher
 
 logger = logging.getLogger(__name__)

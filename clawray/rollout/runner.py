@@ -35,15 +35,15 @@ from clawray.envs.base import Task
 from clawray.envs.rollout import Episode, group_diagnostics, group_rows, play_episode
 from clawray.inference.engine import SamplingParams
 from clawray.models.loader import load_tokenizer, policy_model_info
+from clawray.names import NAMESPACE, curriculum_name, env_buffer_name
 
 logger = logging.getLogger(__name__)
-NAMESPACE = "clawray"
 GROUP_TRIES = 3
 
 
 def env_names(app: str, cfg: ClawRayConfig) -> dict[str, str]:
-    return {"buffer": f"{app}:{cfg.environments_cfg.buffer_suffix}",
-            "curriculum": f"{app}:curriculum"}
+    return {"buffer": env_buffer_name(app, cfg.environments_cfg.buffer_suffix),
+            "curriculum": curriculum_name(app)}
 
 
 def policy_handle(app: str, cfg: ClawRayConfig) -> Any:

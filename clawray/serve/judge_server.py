@@ -29,7 +29,7 @@ from clawray.config import ClawRayConfig
 from clawray.inference.engine import Engine, SamplingParams
 from clawray.inference.factory import make_engine
 from clawray.models.loader import judge_model_info, judge_model_path, load_tokenizer
-from clawray.weights.control import judge_channel
+from clawray.names import judge_channel
 from clawray.weights.receiver import WeightReceiver, start_receiver
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-NAMESPACE = "clawray"
+from clawray.names import NAMESPACE, response_store_name
 
 
 class ResponseStoreCore:
@@ -97,7 +97,7 @@ class ActorStore:
 
     def __init__(self, app_name: str, max_entries: int) -> None:
         self.actor = ResponseStore.options(
-            name=f"{app_name}-responses", namespace=NAMESPACE, get_if_exists=True,
+            name=response_store_name(app_name), namespace=NAMESPACE, get_if_exists=True,
             lifetime="detached", max_restarts=-1, max_task_retries=-1).remote(max_entries)
 
     async def put(self, *args: Any) -> None:

@@ -21,14 +21,13 @@ import ray
 
 from clawray.config import ClawRayConfig
 from clawray.judging.voters import VoterPool
+from clawray.names import NAMESPACE
 from clawray.records import TurnRecord
 from clawray.sessions.core import JudgeJob, SessionCore, SessionRules
 from clawray.sessions.journal import HubJournal
 from clawray.sessions.rows import rows_of
 
 logger = logging.getLogger(__name__)
-
-NAMESPACE = "clawray"
 
 
 def shard_of(session_id: str, num_hubs: int) -> int:

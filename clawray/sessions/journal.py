@@ -22,9 +22,15 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from clawray.files import write_atomic
+
 logger = logging.getLogger(__name__)
 
 COMPACT_BYTES = 64 * 2**20  # rewrite once the file is this big and mostly done
+
+
+def _line(entry: dict[str, Any]) -> str:
+    return json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n"
 
 
 class HubJournal:
@@ -66,7 +72,7 @@ class HubJournal:
             del self.live[r]
 
     def _append(self, entry: dict[str, Any]) -> None:
-        self._file.write(json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n")
+        self._file.write(_line(entry))
         self._file.flush()
         self._dirty = True
 
@@ -116,14 +122,8 @@ class HubJournal:
         """Rewrite the file with only the entries of live turns (and all feedback after the
         oldest of them)."""
         keep = list(self.replay())
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for entry in keep:
-                f.write(json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        self._file.close()
-        os.replace(tmp, self.path)
+        write_atomic(self.path, lambda f: f.writelines(_line(e).encode("utf-8") for e in keep))
+        self._file.close()  # appends were flushed at once: nothing of the old file is lost
         self._file = open(self.path, "a", encoding="utf-8")
         logger.info("journal %s compacted: %d live turns", self.path, len(self.live))
 

@@ -19,8 +19,9 @@ import ray
 from clawray.buffer.actor import start_sample_buffer
 from clawray.config import ClawRayConfig
 from clawray.judging.voters import PRMVoter
+from clawray.names import NAMESPACE, buffer_name, hub_name, voter_name
 from clawray.records import TurnRecord
-from clawray.sessions.hub import NAMESPACE, SessionHub, shard_of
+from clawray.sessions.hub import SessionHub, shard_of
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +69,9 @@ class LivePipeline:
 
 def names(app_name: str, cfg: ClawRayConfig) -> dict[str, Any]:
     return {
-        "buffer": f"{app_name}:buffer",
-        "voters": [f"{app_name}:voter:{i}" for i in range(cfg.judge_cfg.num_voters)],
-        "hubs": [f"{app_name}:hub:{i}" for i in range(cfg.sessions_cfg.num_hubs)],
+        "buffer": buffer_name(app_name),
+        "voters": [voter_name(app_name, i) for i in range(cfg.judge_cfg.num_voters)],
+        "hubs": [hub_name(app_name, i) for i in range(cfg.sessions_cfg.num_hubs)],
     }
 
 

@@ -28,20 +28,12 @@ from typing import Any
 
 import ray
 
+from clawray.names import NAMESPACE, control_name
+
 logger = logging.getLogger(__name__)
 
-NAMESPACE = "clawray"  # the live pipeline's namespace (clawray.sessions.hub.NAMESPACE)
 DEFAULT_LIVE_S = 15.0  # a replica that neither polled nor reported for this long is gone
 POLL_S = 5.0  # long-poll timeout; well under DEFAULT_LIVE_S
-
-
-def control_name(app_name: str) -> str:
-    return f"{app_name}:control"
-
-
-def judge_channel(app_name: str) -> str:
-    """The weight channel of ``app_name``'s JudgeServer replicas (the RLAnything RM)."""
-    return f"{app_name}/judge"
 
 
 @ray.remote(num_cpus=0)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import importlib
 import math
+import pkgutil
 import re
 import time
 from typing import Any, ClassVar, Mapping
@@ -341,6 +341,5 @@ def make_weight_sync(kind: str, app_name: str = "clawray", **kwargs: Any) -> Wei
     if cls is None:
         raise ValueError(f"unknown weight sync {kind!r}: use one of {sorted(_REGISTRY)}")
     if isinstance(cls, str):
-        module, _, attr = cls.partition(":")
-        cls = getattr(importlib.import_module(module), attr)
+        cls = pkgutil.resolve_name(cls)
     return cls(app_name, **kwargs)

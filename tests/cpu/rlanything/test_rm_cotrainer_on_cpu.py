@@ -17,7 +17,8 @@ from clawray.serve.judge_server import JudgeCore
 from clawray.judging.step_rm import build_step_rm_prompt
 from clawray.rlanything.core import rm_consistency_rewards
 from clawray.rlanything.rm_cotrainer import rm_rows, start_rm_cotrainer
-from clawray.weights.control import get_app_control, judge_channel
+from clawray.names import judge_channel
+from clawray.weights.control import get_app_control
 
 APP = "rmco"
 PROMPT = build_step_rm_prompt("Put a clean mug in the cabinet.", [], "go to cabinet 1",
@@ -69,7 +70,7 @@ def test_rm_cotrainer_trains_and_publishes_on_the_judge_channel(served, tmp_path
     try:
         judge = serve.get_deployment_handle("JudgeServer", app_name=APP)
         assert judge.status.remote().result(timeout_s=30)["version"] == 0
-        samples = judge.judge_samples.remote(PROMPT, 3, 0.8, 12).result(timeout_s=60)
+        samples = judge.judge_samples.remote(PROMPT, 3, 0.8, 12, seed=7).result(timeout_s=60)
         longest = max(samples, key=lambda s: len(s["token_ids"]))
         fixed = longest["token_ids"]
         before = judge.teacher_logprobs.remote(PROMPT, None, fixed).result(timeout_s=30)

@@ -343,7 +343,11 @@ class BufferConfig(_Section):
 
 
 class LossSettings(_Section):
-    """The policy loss (``clawray.learner.losses.LossConfig``); see docs/training.md."""
+    """The policy loss (``clawray/learner/losses.py`` takes it as it is); see docs/training.md.
+    Every number is finite (no inf or NaN)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(),
+                              allow_inf_nan=False)
 
     clip_low: float = Field(0.2, gt=0, lt=1, description="Ratio clipped below at 1 - clip_low.")
     clip_high: float = Field(0.28, gt=0, description="Ratio clipped above at 1 + clip_high.")

@@ -190,10 +190,6 @@ def batch_to_rows(batch: pa.RecordBatch | pa.Table) -> list[dict[str, Any]]:
     return batch.to_pylist()
 
 
-def empty_batch() -> pa.RecordBatch:
-    return pa.RecordBatch.from_pylist([], schema=SCHEMA)
-
-
 def concat(batches: Iterable[pa.RecordBatch | pa.Table]) -> pa.Table:
     """One table from batches or tables of ``SCHEMA`` (no copy: the chunks are kept)."""
     tables = []

@@ -305,10 +305,6 @@ class SampleBufferCore:
         return {g for sid in ids if (g := self._pending_ids.get(sid)) is not None}
 
     @property
-    def open_generation(self) -> int:
-        return self._gen
-
-    @property
     def open_rows(self) -> int:
         return self._open_rows
 

@@ -1,5 +1,6 @@
 """On-policy distillation with hindsight hints (docs/sessions.md, "Judging"): pick a hint,
-inject it, and turn teacher log-probs into token advantages.
+inject it into the conversation the teacher scores (the token advantages themselves are
+``clawray.learner.losses.opd_advantages``).
 
 Pure functions, no Ray and no model: the teacher log-probs themselves come from a judge
 backend (``JudgeServer.teacher_logprobs``), scored on the exact response ids the policy sampled.
@@ -8,7 +9,6 @@ backend (``JudgeServer.teacher_logprobs``), scored on the exact response ids the
 from __future__ import annotations
 
 import copy
-import math
 import re
 from typing import Any, Sequence
 
@@ -102,25 +102,4 @@ def inject_hint(messages: list[dict[str, Any]], hint: str) -> list[dict[str, Any
         msg["content"] = content + suffix
     else:
         msg["content"] = suffix.lstrip("\n")
-    return out
-
-
-def token_advantages(teacher_logprobs: Sequence[float], rollout_logprobs: Sequence[float],
-                     clip: float | None = None) -> list[float]:
-    """Per-token OPD advantage ``teacher_t - rollout_t``, optionally clipped to ``[-clip, clip]``.
-
-    Both sequences are aligned one-to-one to the sampled response ids, so their lengths must
-    match exactly; a mismatch means misaligned tokens, which is an error, not something to pad.
-    """
-    if len(teacher_logprobs) != len(rollout_logprobs):
-        raise ValueError(f"teacher log-probs ({len(teacher_logprobs)}) and rollout log-probs "
-                         f"({len(rollout_logprobs)}) must have one value per response token")
-    if clip is not None and not clip > 0:
-        raise ValueError(f"clip must be > 0, got {clip}")
-    out = []
-    for t, r in zip(teacher_logprobs, rollout_logprobs):
-        a = float(t) - float(r)
-        if clip is not None and not math.isnan(a):
-            a = max(-clip, min(clip, a))
-        out.append(a)
     return out

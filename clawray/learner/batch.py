@@ -23,7 +23,8 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
-from clawray.learner.losses import LossConfig, combine_advantages, opd_advantages
+from clawray.config import LossSettings
+from clawray.learner.losses import combine_advantages, opd_advantages
 from clawray.samples import SampleValidationError, pack_column, pack_sequences
 
 
@@ -101,7 +102,7 @@ def _per_token_or_none(data: pa.Table, column: str) -> list[np.ndarray | None]:
             for v in col.to_pylist()]
 
 
-def advantages_of(data: pa.Table, cfg: LossConfig) -> Tensor:
+def advantages_of(data: pa.Table, cfg: LossSettings) -> Tensor:
     """Per response token advantages of every row, concatenated (see the module docstring)."""
     rollout = pack_column(data, "rollout_logprobs")
     cu = rollout.cu_seqlens.numpy()
@@ -155,7 +156,7 @@ def center_rewards(data: pa.Table) -> pa.Table:
     return data.set_column(i, data.schema.field(i), pa.array(centered, pa.float32()))
 
 
-def make_batch(data: pa.Table | pa.RecordBatch, cfg: LossConfig) -> PackedBatch:
+def make_batch(data: pa.Table | pa.RecordBatch, cfg: LossSettings) -> PackedBatch:
     """Pack ``data``'s rows for one forward pass (copies the ids once, nothing else)."""
     if isinstance(data, pa.RecordBatch):
         data = pa.Table.from_batches([data])

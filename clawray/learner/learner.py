@@ -37,7 +37,7 @@ from torch import Tensor
 from clawray.config import TrainingConfig
 from clawray.learner.batch import (PackedBatch, block_causal_mask, center_rewards, loss_seq_count,
                                    loss_token_count, make_batch, shard_rows)
-from clawray.learner.losses import LossConfig, policy_loss
+from clawray.learner.losses import policy_loss
 from clawray.samples import pack_column
 from clawray.weights.sync import lora_payload
 
@@ -95,10 +95,6 @@ def packed_logprobs(model: Any, pb: PackedBatch, *, entropy: bool = False,
     return torch.cat(lps), (torch.cat(ents) if entropy else None)
 
 
-def loss_config_of(cfg: TrainingConfig) -> LossConfig:
-    return LossConfig(**cfg.loss.model_dump(exclude={"reward_baseline"}))
-
-
 def ds_config(cfg: TrainingConfig, world_size: int) -> dict[str, Any]:
     """The DeepSpeed config; batch sizes count micro-batches (rows vary per micro-batch)."""
     return {
@@ -123,7 +119,7 @@ class LearnerCore:
         from transformers import AutoModelForCausalLM
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.loss_cfg = loss_config_of(cfg)
+        self.loss_cfg = cfg.loss
         torch.manual_seed(cfg.seed)
         use_gpu = cfg.learner_num_gpus > 0 and torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_gpu \

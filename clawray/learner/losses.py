@@ -1,4 +1,5 @@
-"""Token-level losses and advantages for the learner, in pure torch (no Ray).
+"""Token-level losses and advantages for the learner, in pure torch (no Ray). Their settings
+are the config's ``LossSettings`` (``training.loss``), validated there.
 
 Every per-token input is a flat tensor of shape ``[T]`` over the *response* tokens of a packed
 batch (see ``clawray.samples.pack_sequences``), with ``seq_index[T]`` naming each token's
@@ -7,82 +8,24 @@ to a loss, a gradient or a metric, even when their log-probs are NaN or inf (inp
 sanitized with ``torch.where`` before any arithmetic, so NaN cannot leak through a product).
 
 Formulas: Binary RL (the reward broadcast over response tokens), OPD and combine advantages,
-top-K reverse-KL distillation, and AReaL's decoupled PPO (clip centred on the proximal policy)
+and AReaL's decoupled PPO (clip centred on the proximal policy)
 with truncated importance sampling for stale samples; docs/training.md, "Loss choices".
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
+from clawray.config import LossSettings
+
 # k3 KL bounds: the log-ratio ref - cur is clamped to +-K3_LOG_RATIO_MAX, the term to K3_MAX.
 K3_LOG_RATIO_MAX = 20.0
 K3_MAX = 10.0
-# Smallest probability a reconstructed tail bin may hold, so its log stays finite.
-TAIL_MIN_PROB = 1e-8
-
-
-@dataclass
-class LossConfig:
-    """Loss settings. Clip bounds are asymmetric (ratio in [1 - clip_low, 1 + clip_high]);
-    ``tis_cap`` truncates the behaviour importance weight (None: no truncation); ``w_opd`` and
-    ``w_rl`` weight the two advantage terms; ``opd_clip`` bounds the per-token OPD advantage."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    tis_cap: float | None = 2.0
-    agg: Literal["token_mean", "seq_mean"] = "token_mean"
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    w_opd: float = 1.0
-    w_rl: float = 1.0
-    opd_clip: float | None = None
-    topk_tail: bool = True
-
-    def __post_init__(self) -> None:
-        def finite(name: str) -> float:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value):
-                raise ValueError(f"LossConfig.{name} must be a finite number, got {value!r}")
-            return float(value)
-
-        if not 0.0 < finite("clip_low") < 1.0:
-            raise ValueError(f"LossConfig.clip_low must be in (0, 1), got {self.clip_low}")
-        if not finite("clip_high") > 0.0:
-            raise ValueError(f"LossConfig.clip_high must be > 0, got {self.clip_high}")
-        if self.tis_cap is not None and not finite("tis_cap") >= 1.0:
-            raise ValueError(f"LossConfig.tis_cap must be >= 1 or None, got {self.tis_cap}")
-        if self.agg not in ("token_mean", "seq_mean"):
-            raise ValueError(f"LossConfig.agg must be 'token_mean' or 'seq_mean', got {self.agg!r}")
-        for name in ("kl_coef", "entropy_coef", "w_opd", "w_rl"):
-            if finite(name) < 0.0:
-                raise ValueError(f"LossConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.opd_clip is not None and not finite("opd_clip") > 0.0:
-            raise ValueError(f"LossConfig.opd_clip must be > 0 or None, got {self.opd_clip}")
-        if not isinstance(self.topk_tail, bool):
-            raise ValueError(f"LossConfig.topk_tail must be a bool, got {self.topk_tail!r}")
 
 
 # ---------------------------------------------------------------- helpers
-
-def seq_index_from_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
-    """The sequence of each token (LongTensor [T]) from row boundaries ``cu_seqlens`` [B + 1]."""
-    cu = cu_seqlens.to(torch.long)
-    if cu.dim() != 1 or len(cu) == 0 or cu[0] != 0 or bool((cu.diff() < 0).any()):
-        raise ValueError("cu_seqlens must be 1-D, start at 0 and be non-decreasing")
-    return torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), cu.diff())
-
-
-def broadcast_rewards(rewards_per_seq: Tensor, seq_index: Tensor) -> Tensor:
-    """The reward of each token's sequence: ``rewards_per_seq[seq_index]`` ([B] -> [T])."""
-    return rewards_per_seq[seq_index.to(torch.long)]
-
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``x`` over tokens where ``mask`` is set (0 when none are); NaN-safe off-mask."""
@@ -143,7 +86,7 @@ def _clean(x: Tensor, m: Tensor, fill: float = 0.0) -> Tensor:
 # ---------------------------------------------------------------- policy gradient
 
 def policy_loss(logprobs: Tensor, rollout_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                seq_index: Tensor, num_seqs: int, cfg: LossConfig,
+                seq_index: Tensor, num_seqs: int, cfg: LossSettings,
                 proximal_logprobs: Tensor | None = None, ref_logprobs: Tensor | None = None,
                 entropy: Tensor | None = None, norm: float | None = None,
                 sft_mask: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
@@ -239,7 +182,7 @@ def opd_advantages(teacher_logprobs: Tensor, rollout_logprobs: Tensor,
     return adv if clip is None else adv.clamp(-clip, clip)
 
 
-def combine_advantages(rollout_logprobs: Tensor, reward_per_token: Tensor, cfg: LossConfig,
+def combine_advantages(rollout_logprobs: Tensor, reward_per_token: Tensor, cfg: LossSettings,
                        teacher_logprobs: Tensor | None = None,
                        has_teacher: Tensor | None = None) -> Tensor:
     """``A_t = w_opd * (teacher_t - old_t) + w_rl * r`` (the ``combine`` sample kind).
@@ -258,55 +201,3 @@ def combine_advantages(rollout_logprobs: Tensor, reward_per_token: Tensor, cfg: 
     if has_teacher is not None:
         opd = torch.where(has_teacher.bool(), opd, torch.zeros_like(opd))
     return adv + cfg.w_opd * opd
-
-
-# ---------------------------------------------------------------- top-K distillation
-
-def _log1m_sum_exp(logp: Tensor) -> Tensor:
-    """``log(1 - sum(exp(logp), -1))``: the log-mass outside the given bins, at least
-    ``log(TAIL_MIN_PROB)`` (or the dtype's eps where larger: 1 - 1e-8 rounds to 1 in float32),
-    so it stays finite, with a finite gradient, when the bins hold (nearly) everything."""
-    floor = max(TAIL_MIN_PROB, torch.finfo(logp.dtype).eps)
-    mass = torch.logsumexp(logp, dim=-1).exp()
-    return torch.log1p(-mass.clamp(max=1.0 - floor))
-
-
-def topk_reverse_kl(student_logits: Tensor, teacher_topk_logprobs: Tensor,
-                    teacher_topk_ids: Tensor, mask: Tensor, seq_index: Tensor, num_seqs: int,
-                    cfg: LossConfig) -> tuple[Tensor, dict[str, float]]:
-    """Reverse KL(student || teacher) over the teacher's top-K tokens, per token, aggregated.
-
-    ``student_logits`` [T, V]; the teacher gives its top-K log-probs and ids [T, K] (ids
-    distinct per row). The student's log-softmax is gathered at the K ids.
-
-    ``cfg.topk_tail`` True: a (K+1)-th tail bin holds the rest of the mass on both sides,
-    ``log(1 - sum p)`` (floored near ``TAIL_MIN_PROB``), so both sides are full distributions and
-    the student is also pushed to put as little outside the teacher's top-K as the teacher does.
-    False: both sides are renormalized over the K tokens alone (mass outside is ignored).
-    Per token ``KL = sum_bins p_s * (log p_s - log p_t)``; aggregated like ``policy_loss``.
-    Student logits are assumed finite; teacher entries of masked-out tokens may be anything.
-    """
-    m = _check_tokens(mask, seq_index, num_seqs, student_logits=student_logits,
-                      teacher_topk_logprobs=teacher_topk_logprobs,
-                      teacher_topk_ids=teacher_topk_ids)
-    if teacher_topk_logprobs.shape != teacher_topk_ids.shape or teacher_topk_ids.dim() != 2:
-        raise ValueError(f"teacher top-K log-probs {tuple(teacher_topk_logprobs.shape)} and ids "
-                         f"{tuple(teacher_topk_ids.shape)} must both be [T, K]")
-    dtype = torch.promote_types(student_logits.dtype, torch.float32)  # bf16 -> fp32, fp64 kept
-    logits = student_logits.to(dtype)
-    ids = _clean(teacher_topk_ids, m).to(torch.long)
-    # Gather then subtract the normalizer: no second [T, V] tensor kept for backward.
-    s = logits.gather(-1, ids) - torch.logsumexp(logits, dim=-1, keepdim=True)
-    t = _clean(teacher_topk_logprobs.detach().to(dtype), m, fill=-math.log(ids.shape[-1] + 1))
-    if cfg.topk_tail:
-        s = torch.cat([s, _log1m_sum_exp(s).unsqueeze(-1)], dim=-1)
-        t = torch.cat([t, _log1m_sum_exp(t).unsqueeze(-1)], dim=-1)
-    else:
-        s = s - torch.logsumexp(s, dim=-1, keepdim=True)
-        t = t - torch.logsumexp(t, dim=-1, keepdim=True)
-    kl = (s.exp() * (s - t)).sum(-1)
-    loss = aggregate(kl, m, seq_index, num_seqs, cfg.agg)
-    with torch.no_grad():
-        metrics = {"loss": loss.item(), "kl": masked_mean(kl, m).item(),
-                   "tokens": float(m.sum().item())}
-    return loss, metrics

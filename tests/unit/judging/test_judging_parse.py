@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 import pytest
 
@@ -11,7 +10,6 @@ from clawray.judging.opd import (
     inject_hint,
     is_ephemeral_context,
     select_hint,
-    token_advantages,
 )
 from clawray.judging.parse import aggregate, parse_hint_vote, parse_vote, tally
 from clawray.judging.prompts import EXAMPLES_END, EXAMPLES_START, OPD_SYSTEM, PRM_SYSTEM
@@ -221,19 +219,3 @@ def test_inject_hint_without_user_message_is_an_error():
         inject_hint([{"role": "system", "content": "s"}, EPHEMERAL], "H")
 
 
-# ---------------------------------------------------------------------------- advantages
-def test_token_advantages_teacher_minus_rollout():
-    assert token_advantages([-1.0, -0.5, -3.0], [-2.0, -0.5, -1.0]) == [1.0, 0.0, -2.0]
-
-
-def test_token_advantages_clip():
-    assert token_advantages([0.0, -10.0, -1.0], [-10.0, 0.0, -1.5], clip=2.0) == [2.0, -2.0, 0.5]
-    out = token_advantages([-math.inf], [-1.0], clip=5.0)
-    assert out == [-5.0]
-
-
-def test_token_advantages_length_mismatch_and_bad_clip():
-    with pytest.raises(ValueError, match="one value per response token"):
-        token_advantages([0.0, 1.0], [0.0])
-    with pytest.raises(ValueError):
-        token_advantages([0.0], [0.0], clip=0.0)

@@ -10,7 +10,7 @@ import torch
 from clawray.config import TrainingConfig
 from clawray.learner.batch import loss_seq_count, loss_token_count, make_batch, shard_rows
 from clawray.learner.learner import LearnerCore, combine_rank_metrics, init_distributed
-from clawray.learner.losses import LossConfig
+from clawray.config import LossSettings
 from clawray.samples import SampleValidationError, make_row, rows_to_batch
 from tests.support.common import free_port
 from tests.support.learner_data import sampled_rows
@@ -35,7 +35,7 @@ def learner(tiny_model_path):
 def test_packed_forward_matches_the_rollout_logprobs(learner, batch, max_pack_tokens):
     core = learner(zero_stage=0, max_pack_tokens=max_pack_tokens)
     if max_pack_tokens == 16:  # every row is longer: one row per pack
-        assert len(make_batch(batch, LossConfig()).packs(16)) == batch.num_rows
+        assert len(make_batch(batch, LossSettings()).packs(16)) == batch.num_rows
     got = core.logprobs(batch)
     want = batch.column("rollout_logprobs").to_pylist()
     assert [len(g) for g in got] == [len(w) for w in want]
@@ -116,7 +116,7 @@ def test_empty_and_untrainable_batches_are_clear_errors(learner, batch):
                    response_ids=[3], rollout_logprobs=[-1.0], policy_version=0,
                    loss_mask=[1], reward=0.0)
     with pytest.raises(SampleValidationError, match="teacher_logprobs"):
-        make_batch(pa.Table.from_batches([rows_to_batch([row])]), LossConfig())
+        make_batch(pa.Table.from_batches([rows_to_batch([row])]), LossSettings())
 
 
 def test_counts_and_shards():

@@ -7,16 +7,8 @@ import math
 import pytest
 import torch
 
-from clawray.learner.losses import (
-    LossConfig,
-    aggregate,
-    broadcast_rewards,
-    combine_advantages,
-    opd_advantages,
-    policy_loss,
-    seq_index_from_cu_seqlens,
-    topk_reverse_kl,
-)
+from clawray.config import LossSettings
+from clawray.learner.losses import aggregate, combine_advantages, opd_advantages, policy_loss
 
 D = torch.float64
 
@@ -42,7 +34,7 @@ def test_on_policy_loss_is_minus_mean_advantage_and_gradient_matches():
     lp = rollout.clone().requires_grad_()
     adv = t(1.0, -2.0, 3.0, 5.0)
     mask = torch.tensor([1, 1, 1, 0], dtype=torch.int8)
-    loss, m = policy_loss(lp, rollout, adv, mask, torch.tensor([0, 0, 1, 1]), 2, LossConfig())
+    loss, m = policy_loss(lp, rollout, adv, mask, torch.tensor([0, 0, 1, 1]), 2, LossSettings())
     loss.backward()
     assert loss.item() == pytest.approx(-2 / 3)
     assert m["loss"] == pytest.approx(-2 / 3) and m["pg_loss"] == pytest.approx(-2 / 3)
@@ -59,7 +51,7 @@ def test_sft_tokens_take_the_nll_without_ratio_clip_or_importance_weight():
     adv = t(0.0, 0.0, 2.0)
     sft = torch.tensor([True, True, False])
     loss, m = policy_loss(lp, rollout, adv, ones_mask(3), torch.tensor([0, 0, 1]), 2,
-                          LossConfig(), sft_mask=sft)
+                          LossSettings(), sft_mask=sft)
     loss.backward()
     assert loss.item() == pytest.approx((1.0 + 2.0 - 2.0) / 3)
     assert m["sft_nll"] == pytest.approx(1.5)
@@ -76,7 +68,7 @@ def test_asymmetric_clip_bounds_exactly():
     rollout = torch.full((4,), -2.0, dtype=D)
     lp = (rollout + u.log()).requires_grad_()
     loss, m = policy_loss(lp, rollout, t(1, 1, -1, -1), ones_mask(4), zeros_idx(4), 1,
-                          LossConfig())
+                          LossSettings())
     loss.backward()
     assert loss.item() == pytest.approx(-0.22)
     assert m["clip_frac"] == pytest.approx(0.5)
@@ -91,7 +83,7 @@ def test_clip_acts_only_in_the_direction_of_the_advantage():
     # loss = (1.3 - 0.75) / 2 = 0.275
     rollout = t(-1.0, -1.0)
     lp = (rollout + t(1.3, 0.75).log()).requires_grad_()
-    loss, m = policy_loss(lp, rollout, t(-1, 1), ones_mask(2), zeros_idx(2), 1, LossConfig())
+    loss, m = policy_loss(lp, rollout, t(-1, 1), ones_mask(2), zeros_idx(2), 1, LossSettings())
     loss.backward()
     assert loss.item() == pytest.approx(0.275)
     assert m["clip_frac"] == 0.0
@@ -105,7 +97,7 @@ def test_stale_sample_gets_truncated_behaviour_weight():
     rollout = t(-1.0, -1.0, -1.0)
     prox = t(-0.5, -1.0, 0.5)
     lp = prox.clone().requires_grad_()
-    loss, m = policy_loss(lp, rollout, t(1, 1, 1), ones_mask(3), zeros_idx(3), 1, LossConfig(),
+    loss, m = policy_loss(lp, rollout, t(1, 1, 1), ones_mask(3), zeros_idx(3), 1, LossSettings(),
                           proximal_logprobs=prox)
     loss.backward()
     w = (math.exp(0.5), 1.0, 2.0)
@@ -116,7 +108,7 @@ def test_stale_sample_gets_truncated_behaviour_weight():
     assert torch.allclose(lp.grad, -t(*w) / 3)  # d(-w*u*A)/dlp = -w*u*A/3, w detached
     # No cap: the raw weights, nothing truncated: -(1.648721 + 1 + 4.481689) / 3
     loss, m = policy_loss(prox, rollout, t(1, 1, 1), ones_mask(3), zeros_idx(3), 1,
-                          LossConfig(tis_cap=None), proximal_logprobs=prox)
+                          LossSettings(tis_cap=None), proximal_logprobs=prox)
     assert loss.item() == pytest.approx(-(math.exp(0.5) + 1 + math.exp(1.5)) / 3)
     assert m["is_truncated_frac"] == 0.0
 
@@ -128,7 +120,7 @@ def test_masked_nan_tokens_change_nothing():
     lp = t(-1.0, -2.0, -0.5, nan, -inf).requires_grad_()
     adv = t(1.0, -2.0, 3.0, nan, inf)
     mask = torch.tensor([1, 1, 1, 0, 0])
-    cfg = LossConfig(kl_coef=0.1, entropy_coef=0.01)
+    cfg = LossSettings(kl_coef=0.1, entropy_coef=0.01)
     ref = t(-1.0, -2.0, -0.5, nan, nan)  # equal to lp on masked-in tokens: k3 = 0
     ent = t(0.0, 0.0, 0.0, nan, inf)
     loss, m = policy_loss(lp, rollout, adv, mask, torch.tensor([0, 0, 0, 1, 1]), 2, cfg,
@@ -149,8 +141,8 @@ def test_token_mean_and_seq_mean_differ_on_unequal_lengths():
     adv = t(1.0, 1.0, 1.0, 4.0, 100.0)
     mask = torch.tensor([1, 1, 1, 1, 0])
     idx = torch.tensor([0, 0, 0, 1, 2])
-    tok, _ = policy_loss(rollout, rollout, adv, mask, idx, 4, LossConfig(agg="token_mean"))
-    seq, m = policy_loss(rollout, rollout, adv, mask, idx, 4, LossConfig(agg="seq_mean"))
+    tok, _ = policy_loss(rollout, rollout, adv, mask, idx, 4, LossSettings(agg="token_mean"))
+    seq, m = policy_loss(rollout, rollout, adv, mask, idx, 4, LossSettings(agg="seq_mean"))
     assert tok.item() == pytest.approx(-1.75)
     assert seq.item() == pytest.approx(-2.5)
     assert m["pg_loss"] == pytest.approx(-2.5)
@@ -162,7 +154,7 @@ def test_k3_kl_value_and_missing_reference():
     # loss = 0.1 * 0.412406 = 0.0412406; d k3 / d lp = 1 - exp(diff) -> grad 0.1/2 * that.
     lp = t(-1.0, -2.0).requires_grad_()
     ref = t(-1.5, -1.0)
-    cfg = LossConfig(kl_coef=0.1)
+    cfg = LossSettings(kl_coef=0.1)
     loss, m = policy_loss(lp, lp.detach(), t(0, 0), ones_mask(2), zeros_idx(2), 1, cfg,
                           ref_logprobs=ref)
     loss.backward()
@@ -173,7 +165,7 @@ def test_k3_kl_value_and_missing_reference():
     with pytest.raises(ValueError, match="kl_coef > 0 needs ref_logprobs"):
         policy_loss(lp, lp.detach(), t(0, 0), ones_mask(2), zeros_idx(2), 1, cfg)
     # kl_coef == 0: the reference is ignored entirely (no term, no metric).
-    loss, m = policy_loss(lp, lp.detach(), t(0, 0), ones_mask(2), zeros_idx(2), 1, LossConfig(),
+    loss, m = policy_loss(lp, lp.detach(), t(0, 0), ones_mask(2), zeros_idx(2), 1, LossSettings(),
                           ref_logprobs=ref)
     assert loss.item() == 0.0 and "kl" not in m
 
@@ -183,7 +175,7 @@ def test_entropy_bonus_lowers_the_loss():
     ent = t(2.0, 4.0).requires_grad_()
     lp = t(-1.0, -1.0)
     loss, m = policy_loss(lp, lp, t(0, 0), ones_mask(2), zeros_idx(2), 1,
-                          LossConfig(entropy_coef=0.01), entropy=ent)
+                          LossSettings(entropy_coef=0.01), entropy=ent)
     loss.backward()
     assert loss.item() == pytest.approx(-0.03)
     assert m["entropy"] == pytest.approx(3.0)
@@ -193,18 +185,15 @@ def test_entropy_bonus_lowers_the_loss():
 def test_empty_and_all_masked_batches_are_rejected():
     e = torch.zeros(0, dtype=D)
     with pytest.raises(ValueError, match="no tokens with loss_mask=1"):
-        policy_loss(e, e, e, torch.zeros(0, dtype=torch.int8), zeros_idx(0), 0, LossConfig())
+        policy_loss(e, e, e, torch.zeros(0, dtype=torch.int8), zeros_idx(0), 0, LossSettings())
     lp = t(-1.0, -1.0)
     with pytest.raises(ValueError, match="no tokens with loss_mask=1"):
-        policy_loss(lp, lp, t(1, 1), torch.zeros(2), zeros_idx(2), 1, LossConfig())
-    with pytest.raises(ValueError, match="no tokens with loss_mask=1"):
-        topk_reverse_kl(torch.zeros(2, 4), torch.zeros(2, 1), torch.zeros(2, 1, dtype=torch.long),
-                        torch.zeros(2), zeros_idx(2), 1, LossConfig())
+        policy_loss(lp, lp, t(1, 1), torch.zeros(2), zeros_idx(2), 1, LossSettings())
 
 
 def test_mismatched_shapes_are_rejected():
     with pytest.raises(ValueError, match="advantages has shape"):
-        policy_loss(t(-1, -1), t(-1, -1), t(1), ones_mask(2), zeros_idx(2), 1, LossConfig())
+        policy_loss(t(-1, -1), t(-1, -1), t(1), ones_mask(2), zeros_idx(2), 1, LossSettings())
 
 
 # ---------------------------------------------------------------- advantages and helpers
@@ -218,7 +207,7 @@ def test_opd_advantages_with_and_without_clip():
 
 def test_combine_advantages_follows_the_reference_table():
     teacher, rollout = t(-1.0, -0.2, -5.0), t(-2.0, -1.0, -1.0)  # OPD term [1, 0.8, -4]
-    cfg = LossConfig(w_opd=0.5, w_rl=2.0)
+    cfg = LossSettings(w_opd=0.5, w_rl=2.0)
     # hint + score r = 1: 0.5 * [1, 0.8, -4] + 2 * 1 = [2.5, 2.4, 0]
     assert torch.allclose(combine_advantages(rollout, t(1, 1, 1), cfg, teacher), t(2.5, 2.4, 0))
     # hint only (r = 0): [0.5, 0.4, -2]
@@ -231,17 +220,9 @@ def test_combine_advantages_follows_the_reference_table():
     got = combine_advantages(rollout, t(1, 1, 1), cfg, mixed, torch.tensor([True, True, False]))
     assert torch.allclose(got, t(2.5, 2.4, 2.0))
     # opd_clip from the config: [1, 0.8, -4] -> [1, 0.8, -1]; 0.5 * that + 0
-    clipped = LossConfig(w_opd=0.5, w_rl=2.0, opd_clip=1.0)
+    clipped = LossSettings(w_opd=0.5, w_rl=2.0, opd_clip=1.0)
     assert torch.allclose(combine_advantages(rollout, t(0, 0, 0), clipped, teacher),
                           t(0.5, 0.4, -0.5))
-
-
-def test_broadcast_rewards_and_seq_index():
-    idx = seq_index_from_cu_seqlens(torch.tensor([0, 2, 2, 5], dtype=torch.int32))
-    assert idx.tolist() == [0, 0, 2, 2, 2]  # the middle sequence is empty
-    assert broadcast_rewards(t(1.0, -1.0, 0.5), idx).tolist() == [1.0, 1.0, 0.5, 0.5, 0.5]
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        seq_index_from_cu_seqlens(torch.tensor([1, 3]))
 
 
 def test_aggregate_seq_mean_ignores_sequences_without_tokens():
@@ -249,85 +230,6 @@ def test_aggregate_seq_mean_ignores_sequences_without_tokens():
     x, mask, idx = t(1.0, 3.0, 10.0), ones_mask(3), torch.tensor([0, 0, 2])
     assert aggregate(x, mask, idx, 3, "seq_mean").item() == pytest.approx(6.0)
     assert aggregate(x, mask, idx, 3, "token_mean").item() == pytest.approx(14 / 3)
-
-
-# ---------------------------------------------------------------- top-K reverse KL
-
-def student_logits() -> torch.Tensor:
-    # A 4-token vocabulary with p_s = [0.4, 0.3, 0.2, 0.1].
-    return t(0.4, 0.3, 0.2, 0.1).log().unsqueeze(0)
-
-
-def test_topk_reverse_kl_is_zero_when_distributions_match():
-    # Teacher top-2 = tokens [2, 0] with the student's own probabilities [0.2, 0.4]:
-    # tail 0.4 on both sides -> KL 0 (with or without the tail bin).
-    ids = torch.tensor([[2, 0]])
-    teacher = t(0.2, 0.4).log().unsqueeze(0)
-    for tail in (True, False):
-        loss, m = topk_reverse_kl(student_logits(), teacher, ids, ones_mask(1), zeros_idx(1), 1,
-                                  LossConfig(topk_tail=tail))
-        assert loss.item() == pytest.approx(0.0, abs=1e-12) and m["tokens"] == 1.0
-
-
-def test_topk_reverse_kl_hand_computed_with_tail():
-    # Teacher top-2 = tokens [0, 1] with p_t = [0.5, 0.25], tail 0.25.
-    # Student bins [0.4, 0.3, tail 0.3].
-    # KL = 0.4 ln(0.4/0.5) + 0.3 ln(0.3/0.25) + 0.3 ln(0.3/0.25)
-    #    = 0.4 * -0.223144 + 0.6 * 0.182322 = -0.089257 + 0.109393 = 0.020136
-    logits = student_logits().requires_grad_()
-    loss, m = topk_reverse_kl(logits, t(0.5, 0.25).log().unsqueeze(0), torch.tensor([[0, 1]]),
-                              ones_mask(1), zeros_idx(1), 1, LossConfig())
-    loss.backward()
-    expected = 0.4 * math.log(0.8) + 0.6 * math.log(1.2)
-    assert loss.item() == pytest.approx(expected) and m["kl"] == pytest.approx(expected)
-    assert expected == pytest.approx(0.020136, abs=1e-6)
-    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
-
-
-def test_topk_reverse_kl_renormalized_over_k_without_tail():
-    # topk_tail=False renormalizes both sides over the K tokens:
-    # student [0.4, 0.3] / 0.7 = [4/7, 3/7]; teacher [0.5, 0.25] / 0.75 = [2/3, 1/3]
-    # KL = 4/7 ln((4/7)/(2/3)) + 3/7 ln((3/7)/(1/3)) = 4/7 ln(6/7) + 3/7 ln(9/7)
-    #    = 0.571429 * -0.154151 + 0.428571 * 0.251314 = 0.019620
-    ids = torch.tensor([[0, 1]])
-    loss, _ = topk_reverse_kl(student_logits(), t(0.5, 0.25).log().unsqueeze(0), ids,
-                              ones_mask(1), zeros_idx(1), 1, LossConfig(topk_tail=False))
-    expected = 4 / 7 * math.log(6 / 7) + 3 / 7 * math.log(9 / 7)
-    assert loss.item() == pytest.approx(expected)
-    assert expected == pytest.approx(0.019620, abs=1e-6)
-    # A teacher proportional to the student on the K tokens ([0.48, 0.36] = 1.2 * [0.4, 0.3])
-    # but with another tail (0.16 vs 0.3): zero without the tail bin, positive with it.
-    # With tail: 0.7 ln(1/1.2) + 0.3 ln(0.3/0.16) = -0.127625 + 0.188583 = 0.060958
-    prop = t(0.48, 0.36).log().unsqueeze(0)
-    no_tail, _ = topk_reverse_kl(student_logits(), prop, ids, ones_mask(1), zeros_idx(1), 1,
-                                 LossConfig(topk_tail=False))
-    tail, _ = topk_reverse_kl(student_logits(), prop, ids, ones_mask(1), zeros_idx(1), 1,
-                              LossConfig())
-    assert no_tail.item() == pytest.approx(0.0, abs=1e-12)
-    assert tail.item() == pytest.approx(0.7 * math.log(1 / 1.2) + 0.3 * math.log(0.3 / 0.16))
-
-
-def test_topk_reverse_kl_ignores_masked_tokens_and_full_teacher_mass():
-    # Token 1 is masked and holds NaN teacher log-probs and an invalid id. Token 0's teacher
-    # top-2 holds all its mass (tail clamped to 1e-8, stays finite).
-    logits = torch.cat([student_logits(), student_logits()]).requires_grad_()
-    teacher = torch.tensor([[math.log(0.5), math.log(0.5)], [float("nan")] * 2], dtype=D)
-    ids = torch.tensor([[0, 1], [-1, 7]])
-    loss, _ = topk_reverse_kl(logits, teacher, ids, torch.tensor([1, 0]), torch.tensor([0, 1]),
-                              2, LossConfig())
-    loss.backward()
-    # bins: s = [0.4, 0.3, 0.3], t = [0.5, 0.5, 1e-8]
-    expected = 0.4 * math.log(0.8) + 0.3 * math.log(0.6) + 0.3 * math.log(0.3 / 1e-8)
-    assert loss.item() == pytest.approx(expected, rel=1e-6)
-    assert torch.isfinite(logits.grad).all() and (logits.grad[1] == 0).all()
-    # float32 cannot hold 1 - 1e-8: the floor becomes its eps, and everything stays finite.
-    logits32 = logits.detach().float().requires_grad_()
-    loss32, _ = topk_reverse_kl(logits32, teacher.float(), ids, torch.tensor([1, 0]),
-                                torch.tensor([0, 1]), 2, LossConfig())
-    loss32.backward()
-    floor = torch.finfo(torch.float32).eps
-    assert loss32.item() == pytest.approx(expected - 0.3 * math.log(floor / 1e-8), rel=1e-5)
-    assert torch.isfinite(logits32.grad).all()
 
 
 # ---------------------------------------------------------------- config
@@ -344,25 +246,25 @@ def test_topk_reverse_kl_ignores_masked_tokens_and_full_teacher_mass():
     ({"w_opd": float("nan")}, "w_opd"),
     ({"w_rl": -1.0}, "w_rl"),
     ({"opd_clip": 0.0}, "opd_clip"),
-    ({"topk_tail": "yes"}, "topk_tail"),
+    ({"tis_cap": float("nan")}, "tis_cap"),
 ])
-def test_loss_config_rejects_bad_values(kwargs, message):
+def test_loss_settings_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        LossConfig(**kwargs)
+        LossSettings(**kwargs)
 
 
-def test_loss_config_defaults():
-    cfg = LossConfig()
+def test_loss_settings_defaults():
+    cfg = LossSettings()
     assert (cfg.clip_low, cfg.clip_high, cfg.tis_cap, cfg.agg) == (0.2, 0.28, 2.0, "token_mean")
-    assert LossConfig(tis_cap=None).tis_cap is None
+    assert LossSettings(tis_cap=None).tis_cap is None
 
 
 def test_k3_kl_is_bounded_when_the_policy_rules_out_a_reference_token():
-    from clawray.learner.losses import K3_MAX, LossConfig, policy_loss
+    from clawray.learner.losses import K3_MAX
 
     lp = torch.tensor([-30.0, -1.0], requires_grad=True)  # token 0: near impossible now
     ref = torch.tensor([-0.1, -1.0])
-    cfg = LossConfig(kl_coef=1.0)
+    cfg = LossSettings(kl_coef=1.0)
     loss, metrics = policy_loss(lp, lp.detach(), torch.zeros(2), torch.ones(2),
                                 torch.zeros(2, dtype=torch.long), 1, cfg, ref_logprobs=ref)
     assert metrics["kl"] == pytest.approx(K3_MAX / 2)  # (10 + 0) / 2 tokens

@@ -136,7 +136,7 @@ def test_an_exported_adapter_loads_in_peft_as_the_users_policy(make_bank, rows, 
     from clawray.learner.adapters import export_peft
     from clawray.learner.learner import packed_logprobs
     from clawray.learner.batch import make_batch
-    from clawray.learner.losses import LossConfig
+    from clawray.config import LossSettings
 
     bank = make_bank(tmp_path / "adapters")
     bank.update("alice", of_user(rows, "alice"))
@@ -145,7 +145,7 @@ def test_an_exported_adapter_loads_in_peft_as_the_users_policy(make_bank, rows, 
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32)
     model = PeftModel.from_pretrained(base, str(folder)).eval()
     with torch.no_grad():
-        lp = packed_logprobs(model, make_batch(rows, LossConfig()))[0].numpy()
+        lp = packed_logprobs(model, make_batch(rows, LossSettings()))[0].numpy()
     got = [float(x) for x in lp]
     flat = [x for r in want for x in r]
     assert len(got) == len(flat) and max(abs(a - b) for a, b in zip(got, flat)) < 1e-4

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import threading
 import time
@@ -369,10 +368,10 @@ class SampleBufferCore:
         return job.seq
 
     def abort_seal(self, job: SealJob) -> None:
-        """Forget a seal whose write failed: its rows were never acknowledged, retries welcome."""
+        """Forget a seal whose write failed: its rows were never acknowledged, retries welcome
+        (``write_atomic`` has removed its temp file)."""
         for sid in job.ids:
             self._pending_ids.pop(sid, None)
-        job.path.with_name(f".{job.path.name}.{os.getpid()}.tmp").unlink(missing_ok=True)
         logger.error("sealing segment %d (%d rows) failed; its rows were not acknowledged",
                      job.seq, job.batch.num_rows)
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from clawray.gate import significance
+from clawray.gate.health import health_problems
 
 BASE = 0  # version 0: the base model, always available
 
@@ -246,8 +247,6 @@ class GateCore:
         """The shadow evaluation of ``version``: scores of the same held-out prompts (paired)
         and the health of both sides' replies (``health.Health``). Rejects or starts the
         canary."""
-        from clawray.gate.health import health_problems
-
         if version != self.candidate or self.phase != "shadow":
             return self._event("ignored", version, reason="not the candidate in shadow "
                                f"evaluation (candidate {self.candidate}, phase {self.phase})")

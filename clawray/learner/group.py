@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from clawray.buffer.core import Slice, fetch
 from clawray.config import TrainingConfig
+from clawray.learner.adapters import AdapterStore, UserAdapters, restart_lora
 from clawray.learner.learner import LearnerCore, combine_rank_metrics, init_distributed
 from clawray.weights.sync import make_weight_sync
 
@@ -115,8 +116,6 @@ class LearnerWorker:
         """Per-user policies: one update of ``user``'s adapter on their rows; with the
         adapter's payload put in the object store (``{"payload": [ref]}``) for
         ``WeightPublisher.publish_adapter``."""
-        from clawray.learner.adapters import AdapterStore, UserAdapters
-
         if self._adapters is None:
             self._adapters = UserAdapters(self._core(), AdapterStore(self.cfg.user_adapters_dir))
         table = batch if isinstance(batch, pa.Table) else fetch(batch, ray.get)
@@ -127,21 +126,15 @@ class LearnerWorker:
     def restart_lora(self, payload_box: list | None) -> int:
         """Set the LoRA adapter to ``payload_box[0]``'s payload (None: the base) and forget
         its optimizer moments (``clawray.learner.adapters.restart_lora``; the policy gate)."""
-        from clawray.learner.adapters import restart_lora
-
         return restart_lora(self._core(), ray.get(payload_box[0]) if payload_box else None)
 
     def stored_adapters(self) -> dict[str, int]:
         """Per-user policies: every user with an adapter on disk, and its version."""
-        from clawray.learner.adapters import AdapterStore
-
         return {m["user"]: int(m["version"])
                 for m in AdapterStore(self.cfg.user_adapters_dir).users()}
 
     def adapter_payload(self, user: str) -> list[Any]:
         """``user``'s stored adapter as a LoRA payload in the object store (``[ref]``)."""
-        from clawray.learner.adapters import AdapterStore, UserAdapters
-
         if self._adapters is None:
             self._adapters = UserAdapters(self._core(), AdapterStore(self.cfg.user_adapters_dir))
         return [ray.put(self._adapters.payload(user))]

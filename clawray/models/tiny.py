@@ -52,14 +52,12 @@ import math
 import os
 import random
 import re
-import shutil
 import sys
-import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from clawray.files import build_folder_once
 from clawray.models.chat_template import CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START
 from clawray.models.corpus import generate_corpus, imprint_example
 
@@ -110,37 +108,8 @@ def build_embedded_default(cache_dir: Path | None = None, spec: TinyModelSpec = 
                            progress: bool = False) -> Path:
     """Return the folder of the embedded model for ``spec``, building it once if missing."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = cache_dir / f"tiny-qwen3-{spec.digest()}"
-    if (final / BUILD_INFO).exists():
-        return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with _file_lock(cache_dir / f".{final.name}.lock"):
-        if (final / BUILD_INFO).exists():  # another process built it while we waited
-            return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=cache_dir))
-        try:
-            _build(tmp, spec, _Progress(progress))
-            tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return final
-
-
-@contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: rely on the atomic rename alone
-        yield
-        return
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    return build_folder_once(cache_dir / f"tiny-qwen3-{spec.digest()}",
+                             lambda tmp: _build(tmp, spec, _Progress(progress)), BUILD_INFO)
 
 
 class _Progress:

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from clawray.config import ClawRayConfig
 from clawray.gate.core import ServingTally
 from clawray.inference.engine import SamplingParams, TokenOutput
+from clawray.models.importer import provenance
 from clawray.models.loader import load_tokenizer, policy_model_info
 from clawray.records import GatedSink, RecordSink, TeeSink, make_sink, session_key
 from clawray.serve.auth import KeyChecker
@@ -98,6 +99,9 @@ class IngressCore:
             self.core.receiver if self.core is not None else start_receiver(None))
         self.app_name = app_name
         self.info = info
+        prov = provenance(info.path) or {}
+        self.provenance = {k: prov[k] for k in ("format", "package", "package_version", "file",
+                                                "sha256", "quantization") if k in prov}
         self.keys = KeyChecker(s.key_digests())
         self.hub_sink: Any = None
         sinks: list[RecordSink] = []
@@ -257,9 +261,11 @@ class IngressCore:
             self.keys.check(request.headers)
         except APIError as e:
             return error_response(e)
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.info.name, "object": "model", "created": self.started, "owned_by": "clawray",
-             "max_model_len": self.service.max_model_len}]})
+        model = {"id": self.info.name, "object": "model", "created": self.started,
+                 "owned_by": "clawray", "max_model_len": self.service.max_model_len}
+        if self.provenance:  # an imported model: where its weights came from
+            model["provenance"] = self.provenance
+        return JSONResponse({"object": "list", "data": [model]})
 
     async def status(self) -> dict[str, Any]:
         st = await self.service.policy.status()

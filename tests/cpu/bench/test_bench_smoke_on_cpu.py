@@ -50,8 +50,6 @@ def test_quick_run_of_inproc_and_peer_proxy_writes_complete_results(serving_benc
         assert r["client_cpu_ms_per_req"] > 0
     assert cells[("peer-proxy", 8)]["server_cpu_ms_per_req"] > 0
     assert cells[("ingress-inproc", 8)]["server_cpu_ms_per_req"] is None  # no separate server
-    # Concurrent requests overlap in the engine, so 8 workers beat 1.
-    assert cells[("peer-proxy", 8)]["rps"] > cells[("peer-proxy", 1)]["rps"]
 
     [check] = report["targets"]
     assert check["setup"] == "ingress-inproc" and check["vs"] == "peer-proxy"

@@ -194,6 +194,24 @@ async def test_pause_holds_requests_and_resume_finishes_them(engine):
     assert out[0].finish_reason == "length" and not (await engine.status()).paused
 
 
+async def running_long(engine: Engine) -> asyncio.Task:
+    """A 1500-token request that has produced its first token (so a swap now spans it, however
+    slow the machine); the task gives its completion."""
+    from clawray.inference.engine import gather_outputs
+
+    first = asyncio.Event()
+
+    async def deltas():
+        async for delta in engine.generate_stream(
+                PROMPT, SamplingParams(max_tokens=1500, temperature=1.0, ignore_eos=True)):
+            first.set()
+            yield delta
+
+    task = asyncio.create_task(gather_outputs(deltas(), 1))
+    await asyncio.wait_for(first.wait(), 120)
+    return task
+
+
 async def test_new_weights_load_between_steps_and_mark_spanning_requests(
         engine, reference, tiny_model_path):
     from safetensors.torch import load_file
@@ -204,9 +222,7 @@ async def test_new_weights_load_between_steps_and_mark_spanning_requests(
                for name, t in original.items()}
     first = (await engine.generate(PROMPT, GREEDY))[0]
     before = first.token_ids
-    spanning = asyncio.create_task(engine.generate(
-        PROMPT, SamplingParams(max_tokens=1500, temperature=1.0, ignore_eos=True)))
-    await asyncio.sleep(0.3)
+    spanning = await running_long(engine)
     await engine.load_weights(changed, policy_version=1)
     try:
         out = (await engine.generate(PROMPT, GREEDY))[0]
@@ -259,9 +275,7 @@ async def test_lora_payloads_serve_the_merged_policy(engine, reference, tiny_mod
     sync = LoraSync(replica_id="conformance")
     original = load_file(str(tiny_model_path / "model.safetensors"))
     first = (await engine.generate(PROMPT, GREEDY))[0]
-    spanning = asyncio.create_task(engine.generate(
-        PROMPT, SamplingParams(max_tokens=1500, temperature=1.0, ignore_eos=True)))
-    await asyncio.sleep(0.3)
+    spanning = await running_long(engine)
     try:
         await sync.receive(engine, payload, 5)
         out = (await engine.generate(PROMPT, GREEDY))[0]

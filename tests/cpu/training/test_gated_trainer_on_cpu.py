@@ -63,6 +63,7 @@ def test_a_rejected_candidates_line_is_abandoned_and_training_restarts_from_the_
     from clawray.records import read_jsonl_records
     from clawray.sessions.pipeline import attach_live_pipeline
     from clawray.training.trainer import Trainer
+    from clawray.weights.control import get_app_control
 
     cfg, client = gated_app
     buffer = attach_live_pipeline(cfg, APP).buffer
@@ -79,11 +80,14 @@ def test_a_rejected_candidates_line_is_abandoned_and_training_restarts_from_the_
             assert st["phase"] == "shadow" and time.time() < deadline, st["events"][-3:]
             time.sleep(0.5)
         # canary_share 1.0: every session is now served by the candidate's adapter
-        time.sleep(1.0)  # the replica mirrors the routing at its next poll
+        control = get_app_control(APP)  # every replica mirrors the routing before we ask
+        ray.get(control.wait_routing.remote(ray.get(control.status.remote())["routing_seq"]))
         sid = _session(client)
-        recs = [x for x in read_jsonl_records(cfg.serving_cfg.records_path)
-                if x.session_id == sid]
-        assert recs and all(x.sampling["adapter"] == adapter_name(1) for x in recs)
+        deadline = time.time() + 30  # the JSONL sink writes from a thread of its own
+        while len(recs := [x for x in read_jsonl_records(cfg.serving_cfg.records_path)
+                           if x.session_id == sid]) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(recs) == 2 and all(x.sampling["adapter"] == adapter_name(1) for x in recs)
         assert all(x.policy_version == 1 for x in recs)
         _wait_rows(buffer, 2)
         ev = ray.get(gate.reject.remote("test: the operator rejects it"))

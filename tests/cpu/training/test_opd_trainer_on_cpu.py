@@ -73,7 +73,10 @@ def test_a_corrected_turn_trains_through_opd_and_combine(opd_app, tiny_model_pat
     cfg, client, app = opd_app
     sid = f"s-{uuid.uuid4().hex[:10]}"
     msgs = [SYS, ASK]
-    first = client.chat.completions.create(model="clawray-tiny", messages=msgs,
+    # seeded, and 12 tokens whatever the model samples: the checks below never meet a
+    # one-token reply
+    first = client.chat.completions.create(model="clawray-tiny", messages=msgs, seed=3,
+                                           max_tokens=12, extra_body={"ignore_eos": True},
                                            extra_headers={"X-Session-Id": sid})
     msgs += [{"role": "assistant", "content": first.choices[0].message.content},
              {"role": "user", "content": CORRECTION}]

@@ -6,7 +6,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -166,12 +165,10 @@ def test_fixture_prompt_fits_the_context_and_runs_forward(tiny_tokenizer, tiny_m
     text = render(tiny_tokenizer, load_fixture("session_s1_t3_req2.json")["body"])
     ids = tiny_tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) < 24_000, len(ids)  # ~18k: about 3.3 characters per token
-    t0 = time.monotonic()
     with torch.no_grad():
         out = tiny_model(torch.tensor([ids]), logits_to_keep=1)
     assert out.logits.shape == (1, 1, tiny_model.config.vocab_size)
     assert torch.isfinite(out.logits).all()
-    assert time.monotonic() - t0 < 60
 
 
 # --- build: determinism, cache, concurrency ------------------------------------------------------

@@ -14,7 +14,8 @@ rank 0; replica ``i``'s workers take ranks ``1 + i·ranks_per_replica …``.
 The replicas' vLLM engines must start with ``weight_transfer_config=WeightTransferConfig(
 backend="nccl")`` (an ``AsyncEngineArgs`` field). vLLM is imported only inside the methods that
 need it: this module imports on a CPU machine, and using the sync there raises
-``VLLMUnavailableError``. Not run in CI (no GPU); see docs/weights.md.
+``VLLMUnavailableError`` (the engine's own, from ``inference/vllm_engine.py``). Not run in CI (no
+GPU); see docs/weights.md.
 """
 
 from __future__ import annotations
@@ -28,13 +29,8 @@ from typing import Any, Iterator, Mapping
 import ray
 import torch
 
+from clawray.inference.vllm_engine import VLLM_VERSION, VLLMUnavailableError
 from clawray.weights.sync import WeightSync, WeightSyncError, check_state, state_nbytes
-
-VLLM_VERSION = "0.32.0"
-
-
-class VLLMUnavailableError(RuntimeError):
-    """vLLM (or a CUDA GPU) is missing: the NCCL sync cannot run here."""
 
 
 def check_nccl_available() -> None:

@@ -4,7 +4,7 @@
            .model(path="embedded:tiny")
            .inference(engine="hf", max_running=16)
            .serving(api_keys=["sk-local"], default_turn_type="main"))
-    cfg.validate()
+    cfg.check()
 
 Each concern is a sub-config (a pydantic model); parts receive only the sub-config they need.
 YAML files and Serve ``args`` use the concern names as keys (``model:``, ``inference:``,
@@ -751,8 +751,10 @@ class ClawRayConfig(_Section):
         return ClawRayConfig.from_dict(data)
 
     # ---- cross-field checks ----
-    def validate(self) -> "ClawRayConfig":  # type: ignore[override]
-        """Reject combinations that cannot work, with a message that says what to change."""
+    def check(self) -> "ClawRayConfig":
+        """Reject combinations that cannot work, with a message that says what to change (every
+        problem at once, as one ``ConfigError``); the config itself. Named ``check``, not
+        ``validate``: pydantic's ``BaseModel.validate`` means something else."""
         problems: list[str] = []
         m, inf, s = self.model_cfg, self.inference_cfg, self.serving_cfg
         lora_rank = self.training_cfg.lora_rank

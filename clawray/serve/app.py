@@ -67,7 +67,7 @@ def build_app(args: dict[str, Any] | ClawRayConfig | None = None) -> Application
         cfg = ClawRayConfig.from_yaml(args["config"])
     else:
         cfg = ClawRayConfig.from_dict(args or {})
-    cfg.validate()
+    cfg.check()
     s = cfg.serving_cfg
     host = serve_http_host()
     problem = s.bind_problem(host, "Serve's http_options.host") if host is not None else None

@@ -118,7 +118,7 @@ class Trainer(tune.Trainable):
     # ---------------------------------------------------------------- Trainable contract
 
     def setup(self, config: dict[str, Any]) -> None:
-        self.cfg = ClawRayConfig.from_dict(config).validate()
+        self.cfg = ClawRayConfig.from_dict(config).check()
         t = self.cfg.training_cfg
         self.app = t.app
         inf = self.cfg.inference_cfg

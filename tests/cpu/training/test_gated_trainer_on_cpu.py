@@ -37,7 +37,7 @@ def gated_app(served, tmp_path_factory):
            .gate(enabled=True, dir=str(tmp_path_factory.mktemp("gate")), canary_share=1.0,
                  shadow_max_tokens=16))
     client = side_app(served, cfg, APP)
-    yield cfg.validate(), client
+    yield cfg.check(), client
     serve.delete(APP)
     try:
         ray.kill(ray.get_actor(f"{APP}:gate", namespace="clawray"))

@@ -42,7 +42,7 @@ def opd_app(served, tmp_path_factory):
                      sync_timeout_s=60, checkpoint_dir=str(tmp_path_factory.mktemp("opd-ck"))))
     client = side_app(served, cfg, APP)
     port = served.base_url.split(":")[2].split("/")[0]
-    yield (cfg.validate(), client,
+    yield (cfg.check(), client,
            Served(f"http://127.0.0.1:{port}/{APP}/v1", API_KEY, "clawray-tiny", None, APP,
                   cfg.buffer_cfg.path, cfg))
     serve.delete(APP)

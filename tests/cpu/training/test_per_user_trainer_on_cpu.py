@@ -37,7 +37,7 @@ def per_user_app(served, tmp_path_factory):
                      per_user_max_rows=8, checkpoint_dir=str(tmp_path_factory.mktemp("ck")),
                      user_adapters_dir=str(tmp_path_factory.mktemp("users"))))
     client = side_app(served, cfg, APP)
-    yield cfg.validate(), client
+    yield cfg.check(), client
     serve.delete(APP)
 
 

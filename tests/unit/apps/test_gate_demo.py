@@ -16,7 +16,7 @@ from clawray.judging.rules import brevity_judge
 def test_the_arms_are_valid_configs_that_differ_only_in_the_gate(tmp_path):
     for scenario in SCENARIOS:
         off, on = (gate_demo_config(ClawRayConfig(), tmp_path, 0, scenario, g, ["k1", "k2"])
-                   .validate().to_dict() for g in (False, True))
+                   .check().to_dict() for g in (False, True))
         assert on["gate"]["enabled"] and not off["gate"]["enabled"]
         assert on["judge"]["function"] == JUDGES[scenario]
         assert on["gate"]["shadow_kwargs"]["preference"] == USERS_WANT[scenario].name
@@ -92,7 +92,7 @@ def test_the_learning_curve_follows_the_version_serving_everyone():
 
 def test_the_keep_line_arm_differs_only_in_on_reject(tmp_path):
     a, b = (gate_demo_config(ClawRayConfig(), tmp_path, 0, "healthy", True, ["k"], how)
-            .validate().to_dict() for how in ("restart", "keep_line"))
+            .check().to_dict() for how in ("restart", "keep_line"))
     assert a["gate"]["on_reject"] == "restart" and b["gate"]["on_reject"] == "keep_line"
     b["gate"]["on_reject"] = "restart"
     assert a == b

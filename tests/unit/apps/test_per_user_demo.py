@@ -18,7 +18,7 @@ def test_both_modes_are_valid_configs_that_differ_only_in_per_user_training(tmp_
     keys = [k for _, _, k in members]
     assert [g for g, _, _ in members] == ["brief", "brief", "detailed", "detailed"]
     assert len(set(keys)) == 4 and len(set(make_members(0, 2)) & set(members)) == 0
-    cfgs = {m: per_user_demo_config(ClawRayConfig(), tmp_path, 0, m, keys).validate()
+    cfgs = {m: per_user_demo_config(ClawRayConfig(), tmp_path, 0, m, keys).check()
             for m in MODES}
     shared, per_user = (cfgs[m].to_dict() for m in MODES)
     assert per_user["training"]["per_user"] and not shared["training"]["per_user"]

@@ -12,7 +12,7 @@ def test_builder_methods_chain_and_set_sections():
     cfg = ClawRayConfig().model(path="embedded:tiny").inference(max_running=4).serving(port=9001)
     assert cfg.inference_cfg.max_running == 4
     assert cfg.serving_cfg.port == 9001
-    assert cfg.validate() is cfg
+    assert cfg.check() is cfg
 
 
 def test_unknown_key_is_rejected_with_its_path():
@@ -25,12 +25,12 @@ def test_unknown_key_is_rejected_with_its_path():
 def test_validate_refuses_remote_bind_without_key(monkeypatch):
     monkeypatch.delenv("CLAWRAY_API_KEYS", raising=False)
     with pytest.raises(ConfigError, match="beyond loopback"):
-        ClawRayConfig().serving(host="0.0.0.0").validate()
-    ClawRayConfig().serving(host="0.0.0.0", api_keys=["k"]).validate()
+        ClawRayConfig().serving(host="0.0.0.0").check()
+    ClawRayConfig().serving(host="0.0.0.0", api_keys=["k"]).check()
     monkeypatch.setenv("CLAWRAY_API_KEYS", "a, b")
     cfg = ClawRayConfig().serving(host="0.0.0.0")
     assert cfg.serving_cfg.resolved_api_keys() == ["a", "b"]
-    cfg.validate()
+    cfg.check()
 
 
 def test_keys_from_a_file_and_digests_count_as_keys(monkeypatch, tmp_path):
@@ -39,15 +39,15 @@ def test_keys_from_a_file_and_digests_count_as_keys(monkeypatch, tmp_path):
     monkeypatch.delenv("CLAWRAY_API_KEYS", raising=False)
     keys = tmp_path / "keys"
     keys.write_text("# one key per line\nsk-file-1\n\nsk-file-2\n")
-    cfg = ClawRayConfig().serving(host="0.0.0.0", api_keys_file=str(keys)).validate()
+    cfg = ClawRayConfig().serving(host="0.0.0.0", api_keys_file=str(keys)).check()
     assert cfg.serving_cfg.resolved_api_keys() == ["sk-file-1", "sk-file-2"]
     digest = hashlib.sha256(b"sk-yaml").hexdigest()
-    cfg = ClawRayConfig().serving(host="0.0.0.0", api_key_digests=[digest.upper()]).validate()
+    cfg = ClawRayConfig().serving(host="0.0.0.0", api_key_digests=[digest.upper()]).check()
     assert cfg.serving_cfg.key_digests() == [digest]
     with pytest.raises(ConfigError, match="SHA-256"):
         ClawRayConfig().serving(api_key_digests=["abc"])
     with pytest.raises(ConfigError, match="cannot be read"):
-        ClawRayConfig().serving(host="0.0.0.0", api_keys_file=str(tmp_path / "nope")).validate()
+        ClawRayConfig().serving(host="0.0.0.0", api_keys_file=str(tmp_path / "nope")).check()
     # trusted apps are named by tenant id (what `clawray key-digest` prints), never by key
     from clawray.serve.auth import tenant_of_key
 
@@ -96,15 +96,15 @@ def test_validate_lists_every_problem():
     cfg = (ClawRayConfig().inference(engine="vllm").model(dtype="float16")
            .serving(default_max_tokens=10, max_tokens_limit=5, host="0.0.0.0"))
     with pytest.raises(ConfigError) as e:
-        cfg.validate()
+        cfg.check()
     msg = str(e.value)
     assert "float16" in msg and "beyond loopback" in msg and "default_max_tokens" in msg
-    ClawRayConfig().inference(engine="vllm").validate()  # the embedded model, on CPU too
+    ClawRayConfig().inference(engine="vllm").check()  # the embedded model, on CPU too
 
 
 def test_missing_model_path_is_reported():
     with pytest.raises(ConfigError, match="does not exist"):
-        ClawRayConfig().model(path="/nonexistent/model").validate()
+        ClawRayConfig().model(path="/nonexistent/model").check()
 
 
 def test_yaml_roundtrip(tmp_path):
@@ -125,7 +125,7 @@ def test_deployment_yamls_hold_valid_configs():
         assert doc["http_options"]["host"] == "127.0.0.1"
         cfg = ClawRayConfig.from_dict(app["args"])
         if name in ("local.yaml", "envs.yaml", "rlanything.yaml"):
-            cfg.validate()
+            cfg.check()
         if name == "envs.yaml":
             assert cfg.training_cfg.mode == "env" and cfg.environments_cfg.num_runners >= 1
         elif name == "rlanything.yaml":
@@ -136,8 +136,8 @@ def test_deployment_yamls_hold_valid_configs():
 
 def test_env_training_needs_runners_and_new_sections_reject_typos():
     with pytest.raises(ConfigError, match="needs environments.num_runners"):
-        ClawRayConfig().environments(num_runners=0).training(mode="env").validate()
-    ClawRayConfig().environments(num_runners=0).validate()  # live mode needs none
+        ClawRayConfig().environments(num_runners=0).training(mode="env").check()
+    ClawRayConfig().environments(num_runners=0).check()  # live mode needs none
     with pytest.raises(ConfigError, match="group_sise"):
         ClawRayConfig.from_dict({"environments": {"group_sise": 4}})
     with pytest.raises(ConfigError, match="sampler"):
@@ -151,20 +151,20 @@ def test_nccl_weight_transfer_needs_vllm_full_weights_and_a_learner_gpu():
 
     ok = (ClawRayConfig().inference(engine="vllm", weight_transfer="nccl")
           .training(learner_num_gpus=1))
-    assert ok.validate() is ok
+    assert ok.check() is ok
     with pytest.raises(ValueError, match="needs vLLM replicas, not inference.engine='hf'"):
-        ok.copy_with(inference={"engine": "hf"}).validate()
+        ok.copy_with(inference={"engine": "hf"}).check()
     with pytest.raises(ValueError, match="broadcasts full weights.*lora_rank"):
-        ok.copy_with(training={"lora_rank": 8}, inference={"max_lora_rank": 8}).validate()
+        ok.copy_with(training={"lora_rank": 8}, inference={"max_lora_rank": 8}).check()
     with pytest.raises(ValueError, match="learner's GPU: set training.learner_num_gpus"):
-        ok.copy_with(training={"learner_num_gpus": 0}).validate()
+        ok.copy_with(training={"learner_num_gpus": 0}).check()
 
 
 def test_per_user_training_says_everything_it_needs():
     with pytest.raises(ConfigError) as e:
-        ClawRayConfig().training(per_user=True, zero_stage=1).validate()
+        ClawRayConfig().training(per_user=True, zero_stage=1).check()
     for need in ("training.lora_rank > 0", "training.zero_stage 0", "inference.max_loras > 0"):
         assert need in str(e.value)
     ok = ClawRayConfig().training(per_user=True, lora_rank=4, zero_stage=0) \
-        .inference(max_loras=4).validate()
+        .inference(max_loras=4).check()
     assert ok.training_cfg.per_user

@@ -61,7 +61,8 @@ def cmd_model(args: argparse.Namespace) -> int:
             if not args.out:
                 print("clawray model import: --out DIR is required", file=sys.stderr)
                 return 2
-            folder = import_model(args.source, args.out)
+            template = Path(args.chat_template).read_text() if args.chat_template else None
+            folder = import_model(args.source, args.out, chat_template=template)
         else:
             folder = resolve_model_path(args.source)
     except (ModelImportError, ModelLoadError) as e:
@@ -428,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("source", help="import: a .gguf file or a model folder; prepare: a model "
                    "name (bundled:smollm2, embedded:tiny)")
     p.add_argument("--out", help="import: the folder to write")
+    p.add_argument("--chat-template", help="import: a Jinja chat template file that replaces "
+                   "the model's own (kept beside it as chat_template.original.jinja), e.g. "
+                   "when the model's own ignores tools")
     p.set_defaults(fn=cmd_model)
     p = sub.add_parser("key-digest", help="print an API key's SHA-256 digest and tenant id "
                        "(for serving.api_key_digests: a YAML that holds no key); reads the "

@@ -71,3 +71,13 @@ CHAT_TEMPLATE = r"""{%- macro text_of(content) -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
 """
+
+
+def with_default_system(template: str, system: str) -> str:
+    """``template`` with ``system`` as the system message of conversations that bring none
+    (what many instruct models' own templates do, SmolLM2's among them)."""
+    import json
+
+    return ("{%- if not messages or messages[0].role != 'system' -%}"
+            "{%- set messages = [{'role': 'system', 'content': " + json.dumps(system)
+            + "}] + messages -%}{%- endif -%}\n" + template)

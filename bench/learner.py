@@ -156,10 +156,8 @@ class TorchLearner:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from clawray.learner.learner import loss_config_of
-
         self.cfg, self.padded = cfg, padded
-        self.loss_cfg = loss_config_of(cfg)
+        self.loss_cfg = cfg.loss
         torch.manual_seed(cfg.seed)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
         self.model.config.use_cache = False

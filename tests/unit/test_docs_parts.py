@@ -48,7 +48,7 @@ def test_every_module_is_in_the_parts_table():
     assert not missing, f"docs/architecture.md's parts table does not mention {missing}"
 
 
-def test_the_check_finds_a_module_the_table_does_not_name(tmp_path):
+def test_the_check_finds_a_module_the_table_does_not_name():
     parts = parts_section()
     assert modules() and all(mentioned(p, parts) for p in modules()[:3])
     assert not mentioned(REPO / "clawray" / "serve" / "no_such_module.py", parts)

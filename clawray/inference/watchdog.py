@@ -47,9 +47,8 @@ def children_now() -> set[int]:
 class ProcessWatchdog:
     """The owner's handle on a running watchdog process."""
 
-    def __init__(self, proc: subprocess.Popen, pids: list[int]) -> None:
+    def __init__(self, proc: subprocess.Popen) -> None:
         self._proc = proc
-        self.pids = pids
 
     @classmethod
     def start(cls, pids: Iterable[int]) -> ProcessWatchdog | None:
@@ -62,7 +61,7 @@ class ProcessWatchdog:
             [sys.executable, "-m", "clawray.inference.watchdog", "--owner", str(os.getpid()),
              *map(str, pids)],
             stdin=subprocess.DEVNULL, start_new_session=True)  # not in the owner's signals
-        return cls(proc, pids)
+        return cls(proc)
 
     @property
     def pid(self) -> int:
@@ -139,10 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     # stop() is the owner's "done": exit quietly, leaving the watched processes alone.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    if os.getppid() != args.owner:  # the owner died before we started
-        watch(-1, args.pids)
-        return
-    watch(args.owner, args.pids)
+    watch(args.owner, args.pids)  # an owner already gone is seen at the first poll
 
 
 if __name__ == "__main__":

@@ -5,12 +5,19 @@ answered and recorded, the two turns one session.
 OpenClaw runs in a network namespace with only ``lo`` (tests/support/loopback_ns.py), reaching
 the app's port through a Unix-socket bridge and nothing else. Slow (OpenClaw's own start-up is
 most of a turn's 15–30 s): six turns in all. Skipped, saying why, where OpenClaw cannot be
-installed (scripts/install_openclaw.sh). The three modes run at once (``agent_runs``)."""
+installed (scripts/install_openclaw.sh). The three modes run at once (``agent_runs``).
+
+What is ours and what is the model's: every request the agent makes must get HTTP 200 and be
+recorded; a turn OpenClaw reports as incomplete ("Agent couldn't generate a response",
+``reason=format`` in its fallback log) passes only when the served record shows why (the reply
+ran into maxTokens, or had no visible text), never for a failed stream (``stopReason=error``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import tempfile
 import uuid
@@ -51,8 +58,37 @@ def _config(base: str, api_key: str, model: str, api: str) -> dict:
                             "contextWindow": 32000, "maxTokens": 48}]}}}}
 
 
-def _run_mode(api: str, openclaw_path: str, served) -> tuple[str, list]:
-    """Two turns of the agent in ``api`` mode; (marker, the turns' failures if any)."""
+# OpenClaw's log lines this test reads (its stderr): each HTTP answer of the model, and its
+# verdict on a turn that gave the user nothing. "⚠️ Agent couldn't generate a response" with
+# "reason=format" is OpenClaw's incomplete turn: the model answered (HTTP 200) but the final
+# message had no usable reply (cut at maxTokens, reasoning only, or no visible text).
+FETCH = re.compile(r"\[model-fetch\] response provider=clawray .*? status=(\d+)")
+INCOMPLETE = re.compile(r"incomplete turn detected: .*? stopReason=(\w+)")
+REASONING_ONLY = "reasoning-only retries exhausted"
+
+
+@dataclasses.dataclass
+class Turn:
+    """One ``openclaw agent`` run: how it ended and what OpenClaw logged about the model."""
+
+    returncode: int | None  # None: it did not finish in time
+    statuses: list[int]  # the HTTP status of each model request
+    incomplete: str | None  # OpenClaw's stopReason of an incomplete turn, "reasoning-only"
+    tail: str  # the end of its output, for the failure message
+
+
+def _turn(run: subprocess.CompletedProcess) -> Turn:
+    found = INCOMPLETE.search(run.stderr)
+    incomplete = (found.group(1) if found else
+                  "reasoning-only" if REASONING_ONLY in run.stderr else None)
+    if run.returncode == 0 and '"payloads"' not in run.stdout:
+        incomplete = incomplete or "no-payloads"
+    return Turn(run.returncode, [int(x) for x in FETCH.findall(run.stderr)], incomplete,
+                (run.stdout[-1500:] + run.stderr[-3000:]))
+
+
+def _run_mode(api: str, openclaw_path: str, served) -> tuple[str, list[Turn]]:
+    """Two turns of the agent in ``api`` mode, one session: (its marker, the two turns)."""
     app_port = urlsplit(served.base_url).port
     prefix = urlsplit(served.base_url).path.removesuffix("/v1")
     isolate = loopback_ns.namespaces_work()
@@ -65,7 +101,7 @@ def _run_mode(api: str, openclaw_path: str, served) -> tuple[str, list]:
     env = {**os.environ, "HOME": home, "NO_UPDATE_NOTIFIER": "1",
            "PATH": f"{openclaw_path}:{os.environ['PATH']}"}
     marker = f"marker-{api}-{uuid.uuid4().hex[:6]}"
-    failures = []
+    turns = []
     try:
         for message in (f"Hello ({marker}), what is 2+2?", "Thanks. And 3+3?"):
             cmd = ["openclaw", "agent", "--local", "--session-id", marker, "--message",
@@ -76,27 +112,36 @@ def _run_mode(api: str, openclaw_path: str, served) -> tuple[str, list]:
                 run = subprocess.run(cmd, env=env, cwd=home, stdin=subprocess.DEVNULL,
                                      capture_output=True, text=True, timeout=300)
             except subprocess.TimeoutExpired as e:
-                failures.append(f"the agent did not finish in 300 s: {str(e.stderr)[-2000:]}")
+                turns.append(Turn(None, [], None, f"not done in 300 s: {str(e.stderr)[-2000:]}"))
                 break
-            if run.returncode == 0:
-                out = json.loads(run.stdout[run.stdout.index("{"):])
-                if "payloads" not in out:
-                    failures.append(run.stdout[-2000:])
-            # The tiny model's greedy reply to OpenClaw's prompt runs into maxTokens (an
-            # unclosed "<tool_call>" and noise); OpenClaw then reports an "incomplete turn"
-            # (stopReason=length) and exits 1. That is the model's answer, served and
-            # recorded; any other failure is ours.
-            elif not ("incomplete turn detected" in run.stderr
-                      and "stopReason=length" in run.stderr):
-                failures.append(run.stderr[-3000:])
+            turns.append(_turn(run))
     finally:
         if bridge is not None:
             bridge.close()
-    return marker, failures
+    return marker, turns
+
+
+def _visible(rec) -> str:
+    """What a user would see of a served reply: its text without reasoning and tool calls."""
+    from clawray.models.reasoning import split_reasoning
+    from clawray.models.tool_calls import parse_tool_calls
+
+    _, content = split_reasoning(rec.response_text or "")
+    return (parse_tool_calls(content)[0] or "").strip()
+
+
+def _explained(turn: Turn, recs) -> bool:
+    """Whether what clawray served explains OpenClaw's incomplete turn: the model's own text
+    (a reply cut at maxTokens, or one with nothing visible), not a serving fault."""
+    if turn.incomplete == "length":
+        return any(r.finish_reason == "length" for r in recs)
+    if turn.incomplete in ("stop", "reasoning-only", "no-payloads"):
+        return any(not _visible(r) for r in recs)
+    return False  # stopReason=error (a stream that failed) or missing: ours
 
 
 @pytest.fixture(scope="module")
-def agent_runs(openclaw_path, served) -> dict[str, tuple[str, list]]:
+def agent_runs(openclaw_path, served) -> dict[str, tuple[str, list[Turn]]]:
     """The three modes at once (OpenClaw's own start-up is most of a turn: run one after
     another they cost the suite three times as long)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -108,7 +153,7 @@ def agent_runs(openclaw_path, served) -> dict[str, tuple[str, list]]:
 
 @pytest.mark.parametrize("api", MODES)
 def test_the_openclaw_agent_is_served_and_recorded_in_each_api_mode(api, agent_runs, served):
-    marker, failures = agent_runs[api]
+    marker, turns = agent_runs[api]
 
     def ours(rec) -> bool:
         return any(marker in json.dumps(m.get("content")) for m in rec.messages
@@ -118,7 +163,15 @@ def test_the_openclaw_agent_is_served_and_recorded_in_each_api_mode(api, agent_r
     # what clawray served this agent, next to what the agent made of it
     served_turns = [{"finish": r.finish_reason, "text": r.response_text[:300],
                      "tool_calls": r.tool_calls, "sampling": r.sampling} for r in recs]
-    assert not failures, {"agent": failures, "served": served_turns}
+    context = {"agent": [dataclasses.asdict(t) for t in turns], "served": served_turns}
+    assert len(turns) == 2 and all(t.returncode is not None for t in turns), context
+    # every request the agent made was answered: no HTTP error, no stream that failed
+    assert all(t.statuses and set(t.statuses) == {200} for t in turns), context
+    for t in turns:
+        # a turn is answered (exit 0 with a reply), or OpenClaw found no usable reply in what
+        # the model wrote, and the records show that text (the tiny model's greedy reply to
+        # OpenClaw's prompt is noise and often runs into maxTokens)
+        assert (t.returncode == 0 and t.incomplete is None) or _explained(t, recs), context
     # greedy (the agent's params.temperature): what the tiny model answers is not luck
     assert all(r.sampling["temperature"] == 0 for r in recs), served_turns
     assert len(recs) >= 2, f"{len(recs)} records of {api}"
@@ -131,3 +184,28 @@ def test_the_openclaw_agent_is_served_and_recorded_in_each_api_mode(api, agent_r
         assert any(m["role"] == "assistant" for m in second.messages)
     assert all(r.response_ids for r in recs)
     assert {r.finish_reason for r in recs} <= {"stop", "length", "tool_calls"}
+
+
+def test_openclaws_log_is_read_for_its_verdict_on_a_turn():
+    """The log lines the test relies on, as OpenClaw 2026.9.6 writes them (seen in its runs):
+    an incomplete turn is ours unless a record shows the model's text explains it."""
+    import types
+
+    fetch = ("[provider-transport-fetch] [model-fetch] response provider=clawray "
+             "api=openai-completions model=clawray-tiny status={} elapsedMs=3008")
+    verdict = ("[agent/embedded] incomplete turn detected: runId=0f6d sessionId=m "
+               "provider=clawray/clawray-tiny stopReason={} hasLastAssistant=yes payloads=0")
+
+    def turn(status, stop_reason, code=1):
+        return _turn(subprocess.CompletedProcess([], code, "", "\n".join(
+            [fetch.format(status)] + ([verdict.format(stop_reason)] if stop_reason else []))))
+
+    cut = types.SimpleNamespace(finish_reason="length", response_text="noise noise")
+    empty = types.SimpleNamespace(finish_reason="stop", response_text="<think>hm</think>\n")
+    said = types.SimpleNamespace(finish_reason="stop", response_text="4.")
+    assert turn(200, "length").statuses == [200] and turn(500, None).statuses == [500]
+    assert _explained(turn(200, "length"), [cut])
+    assert not _explained(turn(200, "length"), [said])
+    assert _explained(turn(200, "stop"), [empty]) and not _explained(turn(200, "stop"), [said])
+    assert not _explained(turn(200, "error"), [cut, empty])
+    assert turn(200, None, code=0).incomplete == "no-payloads"

@@ -101,6 +101,9 @@ class ModelInfo:
     name: str  # reported by /v1/models
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    # generation_config.json's sampling settings (temperature, top_p, repetition_penalty):
+    # the defaults of a request that does not set them, as ``vllm serve`` uses them
+    sampling_defaults: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_path(cls, path: str | Path, served_name: str | None = None,
@@ -125,7 +128,30 @@ class ModelInfo:
             raise ModelLoadError(f"no eos token id in {str(path)!r} (generation_config.json, "
                                  "config.json or tokenizer): generation would never stop")
         return cls(path=path, name=served_name or path.name, max_model_len=max_len,
-                   eos_token_ids=tuple(eos))
+                   eos_token_ids=tuple(eos), sampling_defaults=sampling_defaults(generation))
+
+
+# generation_config.json keys a request's sampling defaults come from, and their valid ranges
+SAMPLING_DEFAULT_KEYS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0),
+                         "repetition_penalty": (0.0, float("inf"))}
+
+
+def sampling_defaults(generation: dict[str, Any]) -> dict[str, float]:
+    """The sampling settings of a generation_config.json (``do_sample: false`` is greedy:
+    temperature 0). A value outside its API range is refused, not clamped."""
+    out: dict[str, float] = {}
+    for key, (low, high) in SAMPLING_DEFAULT_KEYS.items():
+        value = generation.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not low <= value <= high or (key != "temperature" and value == 0):
+            raise ModelLoadError(f"generation_config.json: {key} = {value!r} is not a valid "
+                                 f"default (between {low} and {high})")
+        out[key] = float(value)
+    if generation.get("do_sample") is False:
+        out["temperature"] = 0.0
+    return out
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -20,7 +20,14 @@ from typing import Any, AsyncIterator, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from clawray.serve.chat import ChatService, PreparedTurn, api_error_of
-from clawray.serve.protocol import APIError, check_id, json_object, refuse_unsupported, validated
+from clawray.serve.protocol import (
+    APIError,
+    check_id,
+    client_sampling,
+    json_object,
+    refuse_unsupported,
+    validated,
+)
 from clawray.serve.structured import AUTO, OutputFormat
 from clawray.serve.structured import ToolChoice as StructuredToolChoice
 from clawray.serve.turns import (
@@ -146,7 +153,7 @@ def to_turn_request(req: MessagesRequest) -> TurnRequest:
         session_fields["user"] = req.metadata.user_id
     return TurnRequest(
         messages=messages, tools=tools, model=req.model, max_tokens=req.max_tokens,
-        temperature=req.temperature, top_p=req.top_p,
+        **client_sampling(req),
         stop=tuple(req.stop_sequences or ()), tool_choice=tool_choice, output_format=fmt,
         stream=req.stream,
         parallel_tool_calls=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use),

@@ -111,8 +111,13 @@ class ChatService:
         sink: RecordSink,
         routing: Callable[[], dict[str, Any] | None] | None = None,
         tally: ServingTally | None = None,
+        sampling_defaults: Mapping[str, float] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # what a request that does not set temperature, top_p or repetition_penalty gets: the
+        # model's generation_config.json (ModelInfo.sampling_defaults), else 1.0
+        self.sampling_defaults = {"temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.0,
+                                  **(sampling_defaults or {})}
         self.routing = routing  # the policy gate's routing table, as the replica mirrors it
         self.tally = tally  # the gate's serving signals per canary side (errors, latency)
         self.policy = policy
@@ -176,8 +181,8 @@ class ChatService:
                            f"{vocab}): {bad[:5]}", param="logit_bias")
         params = SamplingParams(
             max_tokens=min(max_tokens, room),
-            temperature=req.temperature,
-            top_p=req.top_p,
+            temperature=self._default(req.temperature, "temperature"),
+            top_p=self._default(req.top_p, "top_p"),
             stop=stops,
             seed=req.seed,
             n=req.n,
@@ -185,7 +190,7 @@ class ChatService:
             top_logprobs=req.top_logprobs if req.logprobs else 0,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
+            repetition_penalty=self._default(req.repetition_penalty, "repetition_penalty"),
             logit_bias=tuple(sorted(req.logit_bias.items())),
             structural_tag=constraint,
             adapter=(adapter := self._adapter_of(meta)),
@@ -209,6 +214,9 @@ class ChatService:
             starts_in_reasoning=self.reasoning and in_think,
             gate_side=self._gate_side(adapter),
         )
+
+    def _default(self, value: float | None, name: str) -> float:
+        return self.sampling_defaults[name] if value is None else value
 
     def _raw_prompt(self, ids: list[int]) -> list[int]:
         if not ids:

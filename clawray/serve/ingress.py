@@ -120,7 +120,8 @@ class IngressCore:
         if self.receiver is not None:
             self.receiver.serving_tally = self.serving_tally
         self.service = ChatService(load_tokenizer(info.path), policy, info.name, max_len, s,
-                                   self.sink, routing=self.routing, tally=self.serving_tally)
+                                   self.sink, routing=self.routing, tally=self.serving_tally,
+                                   sampling_defaults=info.sampling_defaults)
         self.started = int(time.time())
         # Lets a launcher tell this app's replicas from another cluster's on a probed port.
         self.instance_id = uuid.uuid4().hex[:16]

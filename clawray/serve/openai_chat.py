@@ -14,6 +14,7 @@ from clawray.serve.chat import ChatService, PreparedTurn, api_error_of
 from clawray.serve.protocol import (
     APIError,
     ChatCompletionRequest,
+    client_sampling,
     normalize_messages,
     normalize_tools,
 )
@@ -42,8 +43,7 @@ def to_turn_request(req: ChatCompletionRequest, session_fields: dict[str, Any]) 
         model=req.model,
         max_tokens=req.max_completion_tokens if uses_new else req.max_tokens,
         max_tokens_param="max_completion_tokens" if uses_new else "max_tokens",
-        temperature=req.temperature,
-        top_p=req.top_p,
+        **client_sampling(req),
         n=req.n,
         stop=req.stop_list(),
         seed=req.seed,
@@ -53,7 +53,6 @@ def to_turn_request(req: ChatCompletionRequest, session_fields: dict[str, Any]) 
         output_format=output_format_of(req.response_format, "response_format"),
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty,
         logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
         logprobs=req.logprobs,
         top_logprobs=req.top_logprobs or 0,

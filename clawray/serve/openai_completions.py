@@ -23,12 +23,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from clawray.serve.chat import ChatService, PreparedTurn, api_error_of
 from clawray.serve.openai_chat import fingerprint, sse, usage_json
 from clawray.serve.protocol import (
+    APIError,
     NULL_MEANS_DEFAULT,
     SESSION_BODY_FIELDS,
-    APIError,
     StreamOptions,
     check_id,
     check_logit_bias,
+    client_sampling,
     json_object,
     refuse_unsupported,
     validated,
@@ -127,10 +128,9 @@ def to_turn_requests(req: CompletionRequest, session_fields: dict[str, Any],
     turns = []
     for ids, text in prompts_of(req, tokenizer):
         turns.append(TurnRequest(
-            messages=[], model=req.model, max_tokens=req.max_tokens, temperature=req.temperature,
-            top_p=req.top_p, n=req.n, stop=stops, seed=req.seed, ignore_eos=req.ignore_eos,
+            messages=[], model=req.model, max_tokens=req.max_tokens, **client_sampling(req),
+            n=req.n, stop=stops, seed=req.seed, ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
             logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
             logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
             stream=req.stream,

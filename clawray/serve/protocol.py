@@ -143,6 +143,16 @@ class ChatCompletionRequest(_Open):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+SAMPLING_DEFAULTED = ("temperature", "top_p", "repetition_penalty")
+
+
+def client_sampling(req: BaseModel) -> dict[str, Any]:
+    """The request's ``temperature``, ``top_p`` and ``repetition_penalty`` where the client
+    set them (a null counts as unset), else None: the served model's defaults then apply."""
+    return {name: getattr(req, name) if name in req.model_fields_set else None
+            for name in SAMPLING_DEFAULTED if name in type(req).model_fields}
+
+
 def check_logit_bias(v: dict[str, float] | None) -> dict[str, float] | None:
     """OpenAI's ``logit_bias``: token-id keys, biases in [-100, 100], at most 300."""
     for key, bias in (v or {}).items():

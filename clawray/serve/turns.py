@@ -27,8 +27,10 @@ class TurnRequest:
     model: str | None = None
     max_tokens: int | None = None  # None: serving.default_max_tokens
     max_tokens_param: str = "max_tokens"  # the API's name for it, for error messages
-    temperature: float = 1.0
-    top_p: float = 1.0
+    # None: not set by the client; the served model's default (its generation_config.json),
+    # else 1.0
+    temperature: float | None = None
+    top_p: float | None = None
     n: int = 1
     stop: tuple[str, ...] = ()
     seed: int | None = None
@@ -38,7 +40,7 @@ class TurnRequest:
     output_format: OutputFormat | None = None  # a JSON answer (constrained decoding)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
     logprobs: bool = False  # report each sampled token's log-prob
     top_logprobs: int = 0  # and this many most likely alternatives

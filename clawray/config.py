@@ -148,6 +148,22 @@ class ServingConfig(_Section):
     max_ongoing_requests: int = Field(512, ge=1)
     replica_num_cpus: float = Field(1.0, ge=0)
     replica_num_gpus: float = Field(0.0, ge=0)
+    replica_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each serving replica needs "
+        "(ray_actor_options resources), e.g. {\"serving_node\": 1} to pin replicas to the "
+        "nodes started with that resource.")
+
+    @field_validator("replica_resources")
+    @classmethod
+    def _custom_resources(cls, v: dict[str, float]) -> dict[str, float]:
+        builtin = sorted(set(v) & {"CPU", "GPU", "memory", "object_store_memory"})
+        if builtin:
+            raise ValueError(f"replica_resources holds custom resources only; {builtin} are "
+                             "set by replica_num_cpus / replica_num_gpus")
+        negative = {k: x for k, x in v.items() if not x >= 0}
+        if negative:
+            raise ValueError(f"replica_resources must be >= 0: {negative}")
+        return v
     max_body_bytes: int = Field(4_000_000, ge=1024, description="Larger bodies get HTTP 413.")
     default_max_tokens: int = Field(512, ge=1)
     max_tokens_limit: int = Field(

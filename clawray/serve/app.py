@@ -75,7 +75,8 @@ def build_app(args: dict[str, Any] | ClawRayConfig | None = None) -> Application
         raise ValueError(problem)
     check_teacher_tokenizer(cfg)
     data = deployment_args(cfg)
-    actor = {"num_cpus": s.replica_num_cpus, "num_gpus": s.replica_num_gpus}
+    actor = {"num_cpus": s.replica_num_cpus, "num_gpus": s.replica_num_gpus,
+             **({"resources": dict(s.replica_resources)} if s.replica_resources else {})}
     affine = {}
     if s.session_affinity:  # a session's turns go to the replica that has its prefix
         affine["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)

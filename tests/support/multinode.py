@@ -6,6 +6,12 @@
 - ``envs``: a Serve app on the embedded tiny model and an ``EnvRunnerGroup`` of 2 runners
   (SPREAD), each playing one GRPO group; the nodes of the cluster and of the runners, groups,
   episodes, steps and rows (counted by the runners and read back from the env buffer's WAL).
+- ``node_kill``: a third node joins; a clawray app whose replica is pinned to it
+  (``serving.replica_resources``) serves a turn with vLLM; the node is then killed abruptly
+  (SIGKILL to the replica's worker and, ``remove_node(allow_graceful=False)``, its raylet). The pids of the replica, its
+  ``VLLM::`` engine processes and their watchdog (clawray/inference/watchdog.py), and which of
+  them still run 120 s later at most. Before the watchdog, the engine processes stayed alive
+  under init, ~3 GB a pair, for as long as the machine ran.
 
 Arguments: a timeout in seconds for the groups (default 180) and ``runner_num_cpus`` (default
 0.25; with 0, Ray places zero-resource actors on a random node, SPREAD or not, so the runners
@@ -18,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -67,10 +74,7 @@ def check_envs(tmp: str, timeout_s: float, runner_num_cpus: float) -> dict:
     from clawray.rollout.runner import EnvRunnerGroup
     from clawray.serve.app import build_app
 
-    # One HTTP proxy (on the head): both simulated nodes share 127.0.0.1.
-    serve.start(proxy_location="HeadOnly",
-                http_options={"host": "127.0.0.1", "port": free_port()},
-                logging_config={"log_level": "WARNING", "enable_access_log": False})
+    start_serve()
     cfg = (ClawRayConfig()
            .serving(record_sink=["none"], replica_num_cpus=0.5)
            .buffer(path=f"{tmp}/samples", seal_age_s=0.1)
@@ -105,6 +109,92 @@ def check_envs(tmp: str, timeout_s: float, runner_num_cpus: float) -> dict:
             "group_size": GROUP_SIZE, "seconds": round(time.perf_counter() - started, 1)}
 
 
+def start_serve() -> int:
+    """Serve on the cluster, its one HTTP proxy on the head (all simulated nodes share
+    127.0.0.1); its port."""
+    from ray import serve
+
+    if not hasattr(start_serve, "port"):
+        start_serve.port = free_port()
+        serve.start(proxy_location="HeadOnly",
+                    http_options={"host": "127.0.0.1", "port": start_serve.port},
+                    logging_config={"log_level": "WARNING", "enable_access_log": False})
+    return start_serve.port
+
+
+def _running(pids: list[int]) -> list[int]:
+    import psutil
+
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def check_node_kill(cluster, tmp: str) -> dict:
+    import openai
+    import psutil
+    import ray
+    from ray import serve
+    from ray.util.state import list_actors
+
+    from clawray.config import ClawRayConfig
+    from clawray.serve.app import build_app
+
+    node = cluster.add_node(num_cpus=1, resources={"doomed": 1})
+    cluster.wait_for_nodes()
+    port = start_serve()
+    cfg = (ClawRayConfig()  # the embedded default, served as "clawray-tiny"
+           .inference(engine="vllm", kv_cache_gib=0.25, max_running=4)
+           .serving(record_sink=["jsonl"], records_path=f"{tmp}/kill-turns.jsonl",
+                    replica_num_cpus=0.5, replica_resources={"doomed": 1}))
+    serve.run(build_app(cfg), name="node-kill", route_prefix="/node-kill")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/node-kill/v1", api_key="none",
+                           max_retries=0, timeout=120)
+    reply = client.chat.completions.create(
+        model="clawray-tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
+    doomed = [a for a in list_actors(filters=[("node_id", "=", node.node_id),
+                                              ("state", "=", "ALIVE")])
+              if "ServeReplica" in a.class_name]
+    replica = doomed[0].pid if len(doomed) == 1 else None
+    tree = psutil.Process(replica).children(recursive=True) if replica else []
+
+    def title(p) -> str:
+        try:
+            return " ".join([p.name(), *p.cmdline()])
+        except psutil.Error:
+            return ""
+
+    engines = [p.pid for p in tree if "VLLM::" in title(p)]
+    watchdogs = [p.pid for p in tree if "clawray.inference.watchdog" in title(p)]
+    # The node dies as under `kill -9` of its process group (or an OOM kill of the node):
+    # the replica's worker and the raylet get SIGKILL at once. (The raylet alone is not
+    # enough: its workers then exit on their own and shut their engines down.) vLLM's
+    # processes are in a process group of their own, so such a kill never reaches them.
+    if replica:
+        os.kill(replica, signal.SIGKILL)
+    cluster.remove_node(node, allow_graceful=False)
+    everything = engines + watchdogs + ([replica] if replica else [])
+    started = time.monotonic()
+    while _running(everything) and time.monotonic() - started < 120:
+        time.sleep(0.5)
+    left = {"replica": _running([replica] if replica else []),
+            "engines": _running(engines), "watchdogs": _running(watchdogs)}
+    for pid in sum(left.values(), []):  # leave nothing behind, whatever the outcome
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    return {"check": "node_kill", "answered": reply.choices[0].message is not None,
+            "replicas_on_node": len(doomed), "replica": replica, "engines": engines,
+            "watchdogs": watchdogs, "left": left,
+            "seconds_to_clean": round(time.monotonic() - started, 1)}
+
+
 def main(model_path: str, timeout_s: float, runner_num_cpus: float) -> None:
     import ray
     from ray.cluster_utils import Cluster
@@ -119,14 +209,15 @@ def main(model_path: str, timeout_s: float, runner_num_cpus: float) -> None:
                  logging_level="WARNING", namespace="clawray-multinode")
         # Each check prints its line as soon as it is done, so one failing leaves the other.
         for check in (lambda: check_learner(model_path),
-                      lambda: check_envs(tmp, timeout_s, runner_num_cpus)):
+                      lambda: check_envs(tmp, timeout_s, runner_num_cpus),
+                      lambda: check_node_kill(cluster, tmp)):
             try:
                 print(json.dumps(check()), flush=True)
             except Exception as e:  # noqa: BLE001 - reported, then the next check runs
                 print(f"check failed: {e!r}", file=sys.stderr, flush=True)
     finally:
         # ray.shutdown() ends Serve's actors with the cluster (serve.shutdown() would first
-        # drain for ~30 s); the Cluster then stops both nodes' raylets and the GCS.
+        # drain for ~30 s); the Cluster then stops the nodes' raylets and the GCS.
         try:
             ray.shutdown()
         finally:

@@ -1,6 +1,7 @@
-"""A simulated 2-node cluster (``ray.cluster_utils.Cluster``, in its own process:
-``tests/support/multinode.py``), started once for both checks: learner ranks on two nodes update like
-one rank, and EnvRunners spread over both nodes play their groups and write every step."""
+"""A simulated multi-node cluster (``ray.cluster_utils.Cluster``, in its own process:
+``tests/support/multinode.py``), started once for three checks: learner ranks on two nodes
+update like one rank; EnvRunners spread over both nodes play their groups and write every step;
+a node killed under a running vLLM replica leaves none of its engine processes behind."""
 
 from __future__ import annotations
 
@@ -58,6 +59,23 @@ def test_two_runners_spread_over_two_nodes_play_and_write_their_groups(multinode
     assert out["episodes"] == out["groups"] * out["group_size"], out
     assert out["steps"] >= out["episodes"]
     assert out["rows"] == out["steps"] == out["wal_rows"], out
+
+
+def test_killing_the_node_under_a_running_app_ends_its_engine_processes(multinode):
+    """The replica dies with its raylet; clawray's watchdog then ends the replica's vLLM
+    processes (with the watchdog disabled they were still running 120 s later: ``"left":
+    {"engines": [2660, 2682]}``; with it, gone in 7 s)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed here (make setup installs it; see docs/vllm.md)")
+    out = multinode.get("node_kill")
+    assert out is not None, multinode["stderr"]
+    assert out["answered"] and out["replicas_on_node"] == 1, out  # the app ran on that node
+    assert out["engines"] and out["watchdogs"], out  # vLLM's processes, watched
+    assert out["left"]["replica"] == [], out  # the replica died with its raylet
+    assert out["left"]["engines"] == [], f"vLLM processes outlived their node: {out}"
+    assert out["left"]["watchdogs"] == [], out
 
 
 def test_the_cluster_process_exits_cleanly(multinode):

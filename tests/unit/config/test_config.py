@@ -168,3 +168,14 @@ def test_per_user_training_says_everything_it_needs():
     ok = ClawRayConfig().training(per_user=True, lora_rank=4, zero_stage=0) \
         .inference(max_loras=4).check()
     assert ok.training_cfg.per_user
+
+
+def test_replica_resources_pin_replicas_and_refuse_builtin_or_negative_ones():
+    from clawray.serve.app import build_app
+
+    cfg = ClawRayConfig().serving(replica_resources={"serving_node": 1})
+    app = build_app(cfg)
+    assert app._bound_deployment.ray_actor_options["resources"] == {"serving_node": 1}
+    for bad, why in (({"CPU": 2}, "replica_num_cpus"), ({"x": -1}, ">= 0")):
+        with pytest.raises(ValueError, match=why):
+            ClawRayConfig().serving(replica_resources=bad)

@@ -42,7 +42,7 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from clawray.gate import significance
 from clawray.gate.health import health_problems
@@ -60,6 +60,19 @@ def canary_bucket(session_key: str, salt: str) -> float:
     across canaries (the salt names the candidate)."""
     h = hashlib.sha256(f"{salt}\x00{session_key}".encode()).digest()
     return int.from_bytes(h[:8], "big") / 2 ** 64
+
+
+def routed_side(routing: Mapping[str, Any] | None, session_key: str) -> str | None:
+    """The one routing rule, on a routing table (``GateCore.routing``, as replicas mirror it):
+    "candidate" for a session in the running canary (its key's bucket under the canary's salt
+    below the share: sticky for that canary), "incumbent" for every other session while a gate
+    runs, None without a gate."""
+    if not routing:
+        return None
+    if routing.get("candidate") is not None and \
+            canary_bucket(session_key, routing["salt"]) < routing["share"]:
+        return "candidate"
+    return "incumbent"
 
 
 SIDES = ("candidate", "incumbent")
@@ -308,11 +321,10 @@ class GateCore:
     # ---- canary ------------------------------------------------------------------------------
 
     def route(self, session_key: str) -> int:
-        """The version that serves ``session_key`` now."""
-        if (self.phase == "canary" and self.candidate is not None
-                and canary_bucket(session_key, self.salt) < self.settings.canary_share):
-            return self.candidate
-        return self.incumbent
+        """The version that serves ``session_key`` now (``routed_side`` of ``routing()``: the
+        replicas route by the same rule on their mirror of that table)."""
+        side = routed_side(self.routing(), session_key)
+        return self.candidate if side == "candidate" else self.incumbent
 
     @property
     def salt(self) -> str:

@@ -18,7 +18,7 @@ import uuid
 from typing import Any, AsyncIterator, Callable, Mapping, Protocol
 
 from clawray.config import ServingConfig
-from clawray.gate.core import ServingTally, canary_bucket
+from clawray.gate.core import ServingTally, routed_side
 from clawray.inference.engine import (
     EngineError,
     EngineInternalError,
@@ -363,10 +363,9 @@ class ChatService:
         PolicyServer replica falls back to the shared policy if it has none
         (``adapter_fallback``, recorded as served)."""
         r = self.routing() if self.routing is not None else None
-        if r:
-            if r.get("candidate_adapter") and canary_bucket(meta.key, r["salt"]) < r["share"]:
-                return r["candidate_adapter"]
-            return r.get("incumbent_adapter")
+        side = routed_side(r, meta.key)
+        if side is not None:
+            return r[f"{side}_adapter"]
         adapters = getattr(self.policy, "adapters", None)
         if not callable(adapters):
             return meta.policy_user if getattr(self.policy, "names_adapters", False) else None

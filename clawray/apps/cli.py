@@ -370,9 +370,9 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 def forget_rows(cfg: ClawRayConfig, user: str, samples: str | None, app: str) -> dict[str, Any]:
     """Forget ``user``'s rows: through the running app's sample buffer when a Ray cluster
-    with it is reachable (the actor owns the log), else in the log folder itself (the app
-    stopped: nothing else writes it)."""
-    from clawray.buffer.core import SampleBufferCore
+    with it is reachable (the actor owns the log), else in the log folder itself, which
+    refuses while an app still has the log open (``buffer.core.forget_offline``)."""
+    from clawray.buffer.core import BufferBusyError, forget_offline
 
     path = samples or cfg.buffer_cfg.path
     if samples is None:
@@ -396,8 +396,10 @@ def forget_rows(cfg: ClawRayConfig, user: str, samples: str | None, app: str) ->
             ray.shutdown()
     if not Path(path).is_dir():
         raise ConfigError(f"no sample log at {path!r} (buffer.path, or --samples)")
-    core = SampleBufferCore(path)
-    return {**core.forget(user), "where": str(path)}
+    try:
+        return {**forget_offline(path, user), "where": str(path)}
+    except BufferBusyError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _prebuild(cfg: ClawRayConfig) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import pyarrow as pa
 import ray
 
-from clawray.buffer.core import SampleBufferCore, SealJob, Slice
+from clawray.buffer.core import SampleBufferCore, SealJob, Slice, hold_as_writer
 from clawray.config import BufferConfig
 from clawray.names import NAMESPACE
 
@@ -51,6 +51,7 @@ def _metric(kind: str, name: str, description: str, buffer: str) -> Any:
 class SampleBuffer:
     def __init__(self, cfg: dict[str, Any], name: str = "sample-buffer") -> None:
         c = BufferConfig(**cfg)
+        self._writer = hold_as_writer(c.path)  # offline edits refuse while this app runs
         self._core = SampleBufferCore(c.path, seal_rows=c.seal_rows, seal_age_s=c.seal_age_s,
                                       max_queued_rows=c.max_queued_rows,
                                       max_staleness=c.max_staleness, put=ray.put, get=ray.get,

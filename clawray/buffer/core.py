@@ -54,6 +54,48 @@ CHECKPOINT = "_consumed.json"
 _SEGMENT = re.compile(r"^seg-(\d{12})\.parquet$")
 
 
+# A running app's buffer holds this file's shared lock (``hold_as_writer``) for its life; an
+# offline edit of the log (``forget_offline``) needs the exclusive one, so it never races an app.
+WRITERS_LOCK = ".writers.lock"
+
+
+class BufferBusyError(RuntimeError):
+    """The sample log is open by a running app; an offline edit would race it."""
+
+
+def hold_as_writer(path: str | Path) -> Any:
+    """Mark the log folder as open by a running buffer until the returned file is closed (or
+    the process ends): offline edits (``forget_offline``) refuse while it is. A shared lock:
+    several holders at once are allowed."""
+    import fcntl
+
+    folder = Path(path).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    f = open(folder / WRITERS_LOCK, "a+")
+    fcntl.flock(f, fcntl.LOCK_SH)
+    return f
+
+
+def forget_offline(path: str | Path, policy_user: str) -> dict[str, int]:
+    """``SampleBufferCore.forget`` on a log no app has open (the app stopped); raises
+    BufferBusyError, changing nothing, while one does (``hold_as_writer``)."""
+    import fcntl
+
+    folder = Path(path).expanduser()
+    with open(folder / WRITERS_LOCK, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BufferBusyError(
+                f"the sample log at {str(folder)!r} is open by a running app: forget through "
+                "the app (run this where its Ray cluster is reachable), or stop it first"
+            ) from None
+        try:
+            return SampleBufferCore(folder).forget(policy_user)
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _identity(x: Any) -> Any:
     return x
 

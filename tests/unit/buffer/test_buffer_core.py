@@ -433,3 +433,24 @@ def test_forgetting_before_a_restart_settles_the_rows_in_the_checkpoint(tmp_path
     core.forget("ann")
     again, _ = leased(tmp_path)
     assert ids(again, again.take(2)) == ["s-0002", "s-0003"] and again.take(1) == []
+
+
+def test_an_offline_forget_refuses_while_an_app_has_the_log_open(tmp_path):
+    """``clawray forget --samples`` on a folder a running app's buffer writes would race it
+    (two writers of one log): it refuses, changing nothing, until the app lets go."""
+    from clawray.buffer.core import BufferBusyError, forget_offline, hold_as_writer
+
+    core = SampleBufferCore(tmp_path)
+    core.add([user_row(i, "ann" if i < 2 else "bob") for i in range(4)])
+    core.seal()
+    app = hold_as_writer(tmp_path)  # what the app's SampleBuffer actor holds for its life
+    other = hold_as_writer(tmp_path)  # two apps on one folder do not exclude each other
+    with pytest.raises(BufferBusyError, match="open by a running app"):
+        forget_offline(tmp_path, "ann")
+    app.close()
+    with pytest.raises(BufferBusyError):
+        forget_offline(tmp_path, "ann")
+    other.close()
+    assert forget_offline(tmp_path, "ann")["rows"] == 2
+    table = ds.dataset(tmp_path, format="parquet").to_table()
+    assert table.filter(ds.field("source") == "forgotten").num_rows == 2

@@ -47,21 +47,24 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def random_adapter(model: Any, seed: int) -> dict:
     import torch
 
-    from clawray.inference.multi_lora import LORA_FORMAT
+    from clawray.models.lora import PEFT_FORMAT, PREFIX, lora_config
 
     g = torch.Generator().manual_seed(seed)
-    modules = {}
+    state = {}
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS:
-            modules[name] = {"A": torch.randn(RANK, m.in_features, generator=g) * 0.05,
-                             "B": torch.randn(m.out_features, RANK, generator=g) * 0.05,
-                             "scaling": 2.0, "fan_in_fan_out": False}
-    return {"format": LORA_FORMAT, "modules": modules}
+            state[f"{PREFIX}{name}.lora_A.weight"] = torch.randn(RANK, m.in_features,
+                                                                 generator=g) * 0.05
+            state[f"{PREFIX}{name}.lora_B.weight"] = torch.randn(m.out_features, RANK,
+                                                                 generator=g) * 0.05
+    return {"format": PEFT_FORMAT, "config": lora_config(RANK, 2.0 * RANK, TARGETS),
+            "state": state}
 
 
 def payload_bytes(payload: dict) -> int:
-    return sum(t.numel() * t.element_size() for m in payload["modules"].values()
-               for t in (m["A"], m["B"]))
+    from clawray.models.lora import nbytes
+
+    return nbytes(payload)
 
 
 def build(name: str, path: str, max_adapters: int, concurrency: int) -> Any:

@@ -7,8 +7,8 @@ policy, adapter ``None``) share one forward, as punica / S-LoRA batch them on GP
 adapters are set around a forward with ``with lora.rows([...])``; outside it the hooks add
 nothing, so the model is exactly the base model.
 
-Adapters arrive as clawray LoRA payloads (``clawray/weights/sync.py``, format
-``clawray.lora/1``: per base module ``A``, ``B``, ``scaling``, ``fan_in_fan_out``). At most
+Adapters arrive as PEFT payloads (``clawray/models/lora.py``: peft's adapter config and state
+dict, read per module as ``A``, ``B`` and peft's scaling). At most
 ``max_loras`` are resident; adding one more evicts the least recently used adapter that no
 running sequence uses (the engine reloads an evicted adapter from where it keeps them).
 """
@@ -17,19 +17,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
-LORA_FORMAT = "clawray.lora/1"  # the one definition: weights/sync.py and vllm_engine.py use it
-
-
-def peft_lora_config(rank: int, alpha: float, targets: set[str] | list[str]) -> dict[str, Any]:
-    """``adapter_config.json`` of a plain PEFT LoRA adapter (what peft and vLLM load)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank),
-            "lora_alpha": float(alpha), "target_modules": sorted(targets),
-            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-            "use_rslora": False, "use_dora": False, "modules_to_save": None}
+from clawray.models import lora
 
 
 class LoraError(ValueError):
@@ -97,23 +89,15 @@ class MultiLora:
                    for a, b in self._adapters[name].values())
 
     def _check(self, payload: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        if not isinstance(payload, Mapping) or payload.get("format") != LORA_FORMAT:
-            raise LoraError(f"not a LoRA payload (expected format {LORA_FORMAT!r})")
-        modules = payload.get("modules")
-        if not isinstance(modules, Mapping) or not modules:
-            raise LoraError("the LoRA payload has no modules")
+        try:
+            modules = lora.modules(payload)
+        except lora.LoraFormatError as e:
+            raise LoraError(str(e)) from None
         out, problems = {}, []
-        for name, m in modules.items():
+        for name, (a, b, scaling) in modules.items():
             layer = self.linears.get(name)
             if layer is None:
                 problems.append(f"{name}: not a linear layer of this model")
-                continue
-            a, b = m.get("A"), m.get("B")
-            if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.dim() != 2 or b.dim() != 2:
-                problems.append(f"{name}: A and B must be 2-D tensors")
-                continue
-            if m.get("fan_in_fan_out"):
-                problems.append(f"{name}: fan_in_fan_out adapters are not supported")
                 continue
             r = a.shape[0]
             if a.shape != (r, layer.in_features) or b.shape != (layer.out_features, r):
@@ -125,7 +109,7 @@ class MultiLora:
                 continue
             w = layer.weight
             out[name] = (a.to(w.device, w.dtype).contiguous(),
-                         (b * float(m.get("scaling", 1.0))).to(w.device, w.dtype).contiguous())
+                         (b * scaling).to(w.device, w.dtype).contiguous())
         if problems:
             raise LoraError("bad LoRA payload: " + "; ".join(problems[:5]))
         return out

@@ -46,8 +46,9 @@ from clawray.inference.engine import (
     check_prompt_fits,
 )
 from clawray.inference.grammar import check_structural_tag
-from clawray.inference.multi_lora import LORA_FORMAT, peft_lora_config
 from clawray.inference.watchdog import ProcessWatchdog, children_now
+from clawray.models.lora import LoraFormatError, save_folder, zero_adapter
+from clawray.models.lora import modules as lora_modules
 
 logger = logging.getLogger(__name__)
 
@@ -316,53 +317,25 @@ def completion_to_delta(completion: Any, *, version_start: int, version_now: int
 
 
 
-def peft_adapter(payload: Any, shapes: Mapping[str, tuple[list[int], str]]
-                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """A clawray LoRA payload as a PEFT adapter (``adapter_config.json`` and the tensors of
-    ``adapter_model.safetensors``), the format vLLM loads LoRA adapters from.
-
-    Each module's ``scaling`` is folded into its B and ranks are zero-padded to the largest,
-    so one ``r == lora_alpha`` serves every module and ``B' @ A'`` equals ``scaling * B @ A``.
-    Every module is checked against the model's weight ``shapes`` first: a bad payload raises
-    EngineError and produces nothing.
-    """
-    if not isinstance(payload, Mapping) or payload.get("format") != LORA_FORMAT:
-        raise EngineError(f"not a LoRA payload (expected format {LORA_FORMAT!r})")
-    modules = payload.get("modules")
-    if not isinstance(modules, Mapping) or not modules:
-        raise EngineError("the LoRA payload has no modules")
+def check_adapter(payload: Any, shapes: Mapping[str, tuple[list[int], str]]) -> int:
+    """Check a PEFT payload (``clawray/models/lora.py``) against the model's weight ``shapes``
+    before vLLM sees it (vLLM's own errors name neither module nor shape); its largest rank.
+    A bad payload raises EngineError naming up to five problems."""
+    try:
+        modules = lora_modules(payload)
+    except LoraFormatError as e:
+        raise EngineError(str(e)) from None
     problems = []
-    for name, mod in modules.items():
-        a, b = (mod.get("A"), mod.get("B")) if isinstance(mod, Mapping) else (None, None)
+    for name, (a, b, _) in modules.items():
         weight = shapes.get(f"{name}.weight")
         if weight is None:
             problems.append(f"{name}: the model has no weight '{name}.weight'")
-        elif not (torch.is_tensor(a) and torch.is_tensor(b) and a.dim() == 2 and b.dim() == 2):
-            problems.append(f"{name}: A and B must be 2-D tensors")
-        elif a.shape[0] != b.shape[1]:
-            problems.append(f"{name}: rank mismatch, A is {tuple(a.shape)}, B is {tuple(b.shape)}")
-        elif mod.get("fan_in_fan_out"):
-            problems.append(f"{name}: fan_in_fan_out adapters cannot be served by vLLM")
         elif [b.shape[0], a.shape[1]] != list(weight[0]):
             problems.append(f"{name}: B @ A is {(b.shape[0], a.shape[1])}, the weight is "
                             f"{tuple(weight[0])}")
-        elif not isinstance(mod.get("scaling"), (int, float)) or not torch.isfinite(
-                torch.tensor(float(mod["scaling"]))):
-            problems.append(f"{name}: scaling must be a finite number")
     if problems:
         raise EngineError("bad LoRA payload: " + "; ".join(problems[:5]))
-    rank = max(int(mod["A"].shape[0]) for mod in modules.values())
-    tensors: dict[str, torch.Tensor] = {}
-    for name, mod in modules.items():
-        a = mod["A"].detach().to("cpu", torch.float32)
-        b = mod["B"].detach().to("cpu", torch.float32) * float(mod["scaling"])
-        pad = rank - a.shape[0]
-        if pad:
-            a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
-            b = torch.cat([b, b.new_zeros(b.shape[0], pad)], dim=1)
-        tensors[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
-        tensors[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
-    return peft_lora_config(rank, rank, {n.rsplit(".", 1)[-1] for n in modules}), tensors
+    return max(int(a.shape[0]) for a, _, _ in modules.values())
 
 
 # ---------------------------------------------------------------------------- workers
@@ -720,7 +693,8 @@ class VLLMEngine:
 
     async def load_lora(self, payload: Any, policy_version: int) -> None:
         """Serve ``policy_version`` as the base weights plus this LoRA payload
-        (``clawray/weights/sync.py``'s format) through vLLM's LoRA support.
+        (a PEFT payload, ``clawray/models/lora.py``) through vLLM's LoRA support: the
+        payload is written as the PEFT folder it is and loaded as a LoRA request.
 
         Each version is its own adapter: new requests use it, requests in flight finish on
         the adapter they started with, and an old adapter is removed from vLLM once no request
@@ -743,15 +717,14 @@ class VLLMEngine:
                               "inference.max_lora_rank (>= the adapters' rank)")
         from vllm.lora.request import LoRARequest
 
-        config, tensors = await asyncio.to_thread(peft_adapter, payload,
-                                                  self._checkpoint.shapes())
-        if config["r"] > self._max_lora_rank:
-            raise EngineError(f"the adapter's rank {config['r']} is above this engine's "
+        rank = await asyncio.to_thread(check_adapter, payload, self._checkpoint.shapes())
+        if rank > self._max_lora_rank:
+            raise EngineError(f"the adapter's rank {rank} is above this engine's "
                               f"max_lora_rank {self._max_lora_rank}")
         if self._lora_root is None:
             self._lora_root = Path(tempfile.mkdtemp(prefix="clawray-vllm-lora-"))
         folder = self._lora_root / f"{uuid.uuid4().hex[:12]}"
-        await asyncio.to_thread(_write_adapter, folder, config, tensors)
+        await asyncio.to_thread(save_folder, payload, folder)
         self._lora_ids += 1
         request = LoRARequest(lora_name=lora_name, lora_int_id=self._lora_ids,
                               lora_path=str(folder))
@@ -768,7 +741,7 @@ class VLLMEngine:
         return request
 
     async def load_adapter(self, name: str, payload: Any, version: int) -> list[str]:
-        """Serve adapter ``name`` (a clawray LoRA payload) at ``version`` to requests that ask
+        """Serve adapter ``name`` (a PEFT payload) at ``version`` to requests that ask
         for it (``SamplingParams.adapter``); it replaces an adapter of that name, whose
         requests in flight finish on it. Adapters live as PEFT folders on disk; vLLM keeps the
         most recently used in memory. Returns [] (nothing is evicted from disk)."""
@@ -786,9 +759,7 @@ class VLLMEngine:
             name = next(n for n, (shape, _) in shapes.items()
                         if n.endswith("proj.weight") and len(shape) == 2)
             out_f, in_f = shapes[name][0]
-            payload = {"format": LORA_FORMAT, "modules": {name[:-len(".weight")]: {
-                "A": torch.zeros(1, in_f), "B": torch.zeros(out_f, 1), "scaling": 1.0,
-                "fan_in_fan_out": False}}}
+            payload = zero_adapter(name[:-len(".weight")], in_f, out_f)
             request = await self._add_lora(payload, "clawray-base")
             self._zero_lora = (request.lora_int_id, -1, request)
         return self._zero_lora
@@ -821,16 +792,6 @@ class VLLMEngine:
         return {"active": None if self._lora is None else {"id": self._lora[0],
                                                             "version": self._lora[1]},
                 "in_use": {i: n for i, n in self._lora_users.items() if n > 0}}
-
-
-def _write_adapter(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    import json
-
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True)
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
 
 
 class CheckpointFiles:

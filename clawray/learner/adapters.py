@@ -31,10 +31,9 @@ import pyarrow as pa
 import torch
 
 from clawray.files import write_atomic
-from clawray.inference.multi_lora import peft_lora_config
 from clawray.learner.learner import LearnerCore
+from clawray.models import lora
 from clawray.samples import policy_user_of
-from clawray.weights.sync import lora_payload
 
 STATE_FORMAT = "clawray.user-adapter/1"
 STATE_FILE = "adapter.pt"
@@ -184,9 +183,10 @@ class UserAdapters:
                              f"{sorted(map(str, users - {user}))[:5]}")
         self.activate(user)
         cfg = self.core.cfg
-        meta = self.store.meta(user) or {"version": 0, "rows_trained": 0,
-                                         "created_at": time.time(), "lora_rank": cfg.lora_rank,
-                                         "lora_alpha": cfg.lora_alpha}
+        meta = self.store.meta(user) or {
+            "version": 0, "rows_trained": 0, "created_at": time.time(),
+            "lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
+            "peft_config": lora.config_dict(self.core.module.peft_config["default"])}
         try:
             metrics = self.core.update(data)
         except BaseException:
@@ -204,9 +204,9 @@ class UserAdapters:
         return int(meta["version"]) if meta else 0
 
     def payload(self, user: str) -> dict[str, Any]:
-        """The user's adapter as a LoRA payload for serving (``clawray/weights/sync.py``)."""
+        """The user's adapter as a PEFT payload for serving (``clawray/models/lora.py``)."""
         self.activate(user)
-        return lora_payload(self.core.module)
+        return lora.from_peft_model(self.core.module)
 
     @torch.no_grad()
     def logprobs(self, user: str, data: pa.Table) -> list[list[float]]:
@@ -226,8 +226,6 @@ def export_peft(store: AdapterStore, user: str, dest: str | Path) -> Path:
     """Write ``user``'s adapter as a PEFT folder (``adapter_config.json`` and
     ``adapter_model.safetensors``): ``peft.PeftModel.from_pretrained(base, dest)`` and vLLM's
     LoRA loading take it. Weights only; the optimizer state stays in the store."""
-    from safetensors.torch import save_file
-
     state = store.load(user)
     if state is None:
         raise KeyError(f"user {user!r} has no adapter in {store.root}")
@@ -235,14 +233,13 @@ def export_peft(store: AdapterStore, user: str, dest: str | Path) -> Path:
     for name, t in state["weights"].items():
         # base_model.model.<module>.lora_A.default.weight -> ...lora_A.weight (PEFT's file keys)
         module, _, rest = name.partition(".lora_")
-        tensors[f"{module}.lora_{rest.split('.', 1)[0]}.weight"] = t.contiguous()
+        tensors[f"{module}.lora_{rest.split('.', 1)[0]}.weight"] = t
         targets.add(module.rsplit(".", 1)[-1])
-    dest = Path(dest).expanduser()
-    dest.mkdir(parents=True, exist_ok=True)
-    config = peft_lora_config(meta["lora_rank"], meta["lora_alpha"], targets)
-    save_file(tensors, str(dest / "adapter_model.safetensors"))
-    (dest / "adapter_config.json").write_text(json.dumps(config, indent=1))
-    return dest
+    # stores written before the config was kept hold its rank and alpha
+    config = meta.get("peft_config") or lora.lora_config(meta["lora_rank"], meta["lora_alpha"],
+                                                         targets)
+    return lora.save_folder({"format": lora.PEFT_FORMAT, "config": config, "state": tensors},
+                            dest)
 
 
 def _torch_optimizer(core: LearnerCore) -> torch.optim.Optimizer:
@@ -257,8 +254,8 @@ def _torch_optimizer(core: LearnerCore) -> torch.optim.Optimizer:
 
 @torch.no_grad()
 def restart_lora(core: LearnerCore, payload: dict[str, Any] | None) -> int:
-    """Set the learner's LoRA adapter to ``payload`` (a LoRA payload, ``lora_payload``'s
-    format; None: the base policy, B = 0) and forget the adapter's optimizer moments: the
+    """Set the learner's LoRA adapter to ``payload`` (a PEFT payload, ``clawray/models/lora.py``;
+    None: the base policy, B = 0) and forget the adapter's optimizer moments: the
     policy gate's trainer restarting from the incumbent after its candidate was abandoned.
     One rank at ZeRO stage 0 (the weights are the optimizer's own). Returns the modules set."""
     if not core.lora:
@@ -267,7 +264,7 @@ def restart_lora(core: LearnerCore, payload: dict[str, Any] | None) -> int:
         raise ValueError("restart_lora needs one learner rank at ZeRO stage 0, got stage "
                          f"{core.cfg.zero_stage}, {core.world_size} ranks")
     optimizer = _torch_optimizer(core)
-    modules = payload["modules"] if payload is not None else None
+    modules = lora.modules(payload) if payload is not None else None
     pairs = []
     for name, module in core.module.named_modules():
         lora_a = getattr(module, "lora_A", None)
@@ -277,8 +274,8 @@ def restart_lora(core: LearnerCore, payload: dict[str, Any] | None) -> int:
         base = name.removeprefix("base_model.model.")
         if modules is not None:
             m = modules.get(base)
-            if m is None or tuple(m["A"].shape) != tuple(a.shape) \
-                    or tuple(m["B"].shape) != tuple(b.shape):
+            if m is None or tuple(m[0].shape) != tuple(a.shape) \
+                    or tuple(m[1].shape) != tuple(b.shape):
                 raise ValueError(f"the payload does not fit this learner's adapter at {base} "
                                  "(another lora_rank, lora_targets or model?)")
         pairs.append((a, b, None if modules is None else modules[base]))
@@ -289,8 +286,8 @@ def restart_lora(core: LearnerCore, payload: dict[str, Any] | None) -> int:
         if m is None:
             b.zero_()
         else:
-            a.copy_(m["A"].to(a.device, a.dtype))
-            b.copy_(m["B"].to(b.device, b.dtype))
+            a.copy_(m[0].to(a.device, a.dtype))  # m: (A, B, scaling)
+            b.copy_(m[1].to(b.device, b.dtype))
         for p in (a, b):
             p.grad = None
             optimizer.state.pop(p, None)

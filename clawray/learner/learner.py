@@ -38,8 +38,8 @@ from clawray.config import TrainingConfig
 from clawray.learner.batch import (PackedBatch, block_causal_mask, center_rewards, loss_seq_count,
                                    loss_token_count, make_batch, shard_rows)
 from clawray.learner.losses import policy_loss
+from clawray.models import lora
 from clawray.samples import pack_column
-from clawray.weights.sync import lora_payload
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +277,7 @@ class LearnerCore:
         are (the NCCL sync broadcasts them from the GPU; not valid after the next update).
         """
         if self.lora:
-            return "lora", lora_payload(self.module)
+            return "lora", lora.from_peft_model(self.module)
         ctx = nullcontext()
         if self.cfg.zero_stage == 3:
             import deepspeed

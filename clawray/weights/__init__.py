@@ -6,11 +6,10 @@ transport), ``control.py`` (a channel's ``AppControl`` actor), ``receiver.py`` (
 API is importable from here, as it was from the former ``clawray/weights.py``.
 """
 
-from clawray.weights.sync import (LORA_FORMAT, LoraSync, ObjectStoreSync, WeightSync,
-                                  WeightSyncError, check_state, copy_baseline, lora_payload,
-                                  lora_payload_from_state_dict, make_weight_sync, merge_lora,
+from clawray.weights.sync import (LoraSync, ObjectStoreSync, WeightSync, WeightSyncError,
+                                  check_state, copy_baseline, make_weight_sync, merge_lora,
                                   register_weight_sync, state_nbytes)
 
-__all__ = ["LORA_FORMAT", "LoraSync", "ObjectStoreSync", "WeightSync", "WeightSyncError",
-           "check_state", "copy_baseline", "lora_payload", "lora_payload_from_state_dict",
-           "make_weight_sync", "merge_lora", "register_weight_sync", "state_nbytes"]
+__all__ = ["LoraSync", "ObjectStoreSync", "WeightSync", "WeightSyncError", "check_state",
+           "copy_baseline", "make_weight_sync", "merge_lora", "register_weight_sync",
+           "state_nbytes"]

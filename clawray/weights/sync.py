@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import math
 import pkgutil
-import re
 import time
 from typing import Any, ClassVar, Mapping
 
 import ray
 import torch
 
-from clawray.inference.multi_lora import LORA_FORMAT
+from clawray.models import lora
 from clawray.weights.control import get_app_control
 
 
@@ -166,115 +164,45 @@ class ObjectStoreSync(WeightSync):
 # ---------------------------------------------------------------------------- LoRA
 
 
-def lora_payload(peft_model: torch.nn.Module, adapter: str = "default") -> dict[str, Any]:
-    """The LoRA payload of a peft model's ``adapter``: ``{"format", "modules": {base module
-    name: {"A", "B", "scaling", "fan_in_fan_out"}}}``, names as in the base model's state dict
-    (``model.layers.0.self_attn.q_proj`` → its ``.weight`` is merged)."""
-    modules: dict[str, dict[str, Any]] = {}
-    for name, module in peft_model.named_modules():
-        lora_a = getattr(module, "lora_A", None)
-        if not isinstance(lora_a, torch.nn.ModuleDict) or adapter not in lora_a:
-            continue
-        flags = (getattr(module, "use_dora", {}), getattr(module, "lora_bias", {}))
-        if any(f.get(adapter) for f in flags):
-            raise WeightSyncError(f"{name}: DoRA / LoRA bias adapters cannot be merged by LoraSync")
-        if getattr(module, "lora_variant", {}).get(adapter) is not None:
-            raise WeightSyncError(f"{name}: LoRA variants cannot be merged by LoraSync")
-        modules[_base_name(name)] = {
-            "A": lora_a[adapter].weight.detach().cpu().clone(),
-            "B": module.lora_B[adapter].weight.detach().cpu().clone(),
-            "scaling": float(module.scaling[adapter]),
-            "fan_in_fan_out": bool(getattr(module, "fan_in_fan_out", False)),
-        }
-    if not modules:
-        raise WeightSyncError(f"the model has no LoRA linear layers for adapter '{adapter}'")
-    return {"format": LORA_FORMAT, "modules": modules}
-
-
-def lora_payload_from_state_dict(state: Mapping[str, torch.Tensor], *, lora_alpha: float,
-                                 use_rslora: bool = False, fan_in_fan_out: bool = False,
-                                 alpha_pattern: Mapping[str, float] | None = None
-                                 ) -> dict[str, Any]:
-    """The LoRA payload of a ``get_peft_model_state_dict``-style dict plus the LoRA config.
-
-    Keys look like ``base_model.model.<module>.lora_A.weight`` / ``...lora_B.weight``; the rank
-    is read from the tensors, alpha from ``alpha_pattern`` (regex on the module name, as in
-    peft) or ``lora_alpha``; scaling is alpha / r (alpha / sqrt(r) with rsLoRA).
-    """
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in check_state(state).items():
-        m = re.fullmatch(r"(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
-        if m is None:
-            raise WeightSyncError(f"not a LoRA linear weight: {key!r} (lora_A/lora_B only)")
-        pairs.setdefault(_base_name(m.group(1)), {})[m.group(2)] = value.detach().cpu()
-    modules = {}
-    for name, ab in pairs.items():
-        if set(ab) != {"A", "B"}:
-            raise WeightSyncError(f"{name}: needs both lora_A and lora_B, got {sorted(ab)}")
-        alpha = next((a for pat, a in (alpha_pattern or {}).items()
-                      if re.fullmatch(rf"(.*\.)?{pat}", name)), lora_alpha)
-        r = ab["A"].shape[0]
-        scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
-        modules[name] = {"A": ab["A"], "B": ab["B"], "scaling": float(scaling),
-                         "fan_in_fan_out": fan_in_fan_out}
-    return {"format": LORA_FORMAT, "modules": modules}
-
-
-def _base_name(peft_name: str) -> str:
-    return peft_name.removeprefix("base_model.model.")
-
-
 def merge_lora(base: Mapping[str, torch.Tensor], payload: Any) -> dict[str, torch.Tensor]:
-    """``{module.weight: W0 + scaling · B @ A}`` for every module of ``payload``.
+    """``{module.weight: W0 + scaling · B @ A}`` for every module of ``payload`` (a PEFT
+    payload, ``clawray.models.lora``).
 
     ``base`` maps weight names to the unmerged weights. Every module is checked (known name,
-    matching shapes, finite scaling) before anything is computed, so a bad payload raises
-    WeightSyncError and produces nothing.
+    matching shapes) before anything is computed, so a bad payload raises WeightSyncError and
+    produces nothing.
     """
-    if not isinstance(payload, Mapping) or payload.get("format") != LORA_FORMAT:
-        raise WeightSyncError(f"not a LoRA payload (expected format {LORA_FORMAT!r}); build it "
-                              "with lora_payload(peft_model) or lora_payload_from_state_dict")
-    modules = payload.get("modules")
-    if not isinstance(modules, Mapping) or not modules:
-        raise WeightSyncError("the LoRA payload has no modules")
+    try:
+        mods = lora.modules(payload)
+    except lora.LoraFormatError as e:
+        raise WeightSyncError(str(e)) from None
     problems = []
-    for name, mod in modules.items():
+    for name, (a, b, _) in mods.items():
         target = f"{name}.weight"
-        a, b = (mod.get("A"), mod.get("B")) if isinstance(mod, Mapping) else (None, None)
         if target not in base:
             problems.append(f"{name}: the model has no weight {target!r}")
-        elif not (torch.is_tensor(a) and torch.is_tensor(b) and a.dim() == 2 and b.dim() == 2):
-            problems.append(f"{name}: A and B must be 2-D tensors")
-        elif a.shape[0] != b.shape[1]:
-            problems.append(f"{name}: rank mismatch, A is {tuple(a.shape)}, B is {tuple(b.shape)}")
-        else:
-            out_in = (b.shape[0], a.shape[1])
-            expected = tuple(base[target].shape)
-            if (out_in[::-1] if mod.get("fan_in_fan_out") else out_in) != expected:
-                problems.append(f"{name}: B @ A is {out_in}, the weight is {expected}")
-            elif not math.isfinite(float(mod.get("scaling", float("nan")))):
-                problems.append(f"{name}: scaling must be a finite number")
+        elif (b.shape[0], a.shape[1]) != tuple(base[target].shape):
+            problems.append(f"{name}: B @ A is {(b.shape[0], a.shape[1])}, the weight is "
+                            f"{tuple(base[target].shape)}")
     if problems:
         raise WeightSyncError("bad LoRA payload: " + "; ".join(problems[:5]))
     merged = {}
-    for name, mod in modules.items():
+    for name, (a, b, scaling) in mods.items():
         w0 = base[f"{name}.weight"]
-        delta = mod["B"].float() @ mod["A"].float()
-        if mod.get("fan_in_fan_out"):
-            delta = delta.T
-        merged[f"{name}.weight"] = (w0.float() + float(mod["scaling"]) * delta.to(w0.device)
-                                    ).to(w0.dtype)
+        delta = b.float() @ a.float()
+        merged[f"{name}.weight"] = (w0.float() + scaling * delta.to(w0.device)).to(w0.dtype)
     return merged
 
 
 class LoraSync(WeightSync):
     """LoRA adapters as the payload; each replica merges them into its cached base weights.
 
-    ``send`` takes a payload from :func:`lora_payload` or a ``get_peft_model_state_dict``-style
-    dict (then pass the LoRA config here: ``lora_alpha``, ``use_rslora``, ``alpha_pattern``,
-    ``fan_in_fan_out``). Every payload holds the full adapters (not increments): a replica
-    merges them into the base weights it served before its first LoRA payload (or since the
-    last full sync of another kind). Needs an engine that exposes its torch ``model`` (HFEngine).
+    ``send`` takes a PEFT payload (``clawray.models.lora.from_peft_model``) or a
+    ``get_peft_model_state_dict`` dict (then pass its LoRA config here: ``LoraSync(app,
+    lora_alpha=..., use_rslora=..., ...)``, peft's LoraConfig fields). Every payload holds the
+    full adapters (not increments): a replica merges them into the base weights it served
+    before its first LoRA payload (or since the last full sync of another kind). An engine
+    that serves adapters itself (vLLM) loads the payload as a LoRA request instead.
     """
 
     kind = "lora"
@@ -286,17 +214,20 @@ class LoraSync(WeightSync):
         self._base: dict[str, torch.Tensor] = {}  # replica side: unmerged weights by name
 
     def payload(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        if isinstance(state, Mapping) and state.get("format") == LORA_FORMAT:
-            return dict(state)
-        if "lora_alpha" not in self.lora_config:
-            raise WeightSyncError("a peft state dict needs the LoRA config: "
-                                  "LoraSync(app, lora_alpha=..., use_rslora=...)")
-        return lora_payload_from_state_dict(state, **self.lora_config)
+        try:
+            if isinstance(state, Mapping) and state.get("format") == lora.PEFT_FORMAT:
+                lora.modules(state)
+                return dict(state)
+            if "lora_alpha" not in self.lora_config:
+                raise WeightSyncError("a peft state dict needs its LoRA config: "
+                                      "LoraSync(app, lora_alpha=..., use_rslora=...)")
+            return lora.from_state_dict(check_state(state), self.lora_config)
+        except lora.LoraFormatError as e:
+            raise WeightSyncError(str(e)) from None
 
     def encode(self, state: Mapping[str, Any]) -> tuple[Any, int]:
         payload = self.payload(state)
-        nbytes = sum(state_nbytes({"A": m["A"], "B": m["B"]}) for m in payload["modules"].values())
-        return payload, nbytes
+        return payload, lora.nbytes(payload)
 
     def send(self, state: Mapping[str, Any], version: int) -> dict[str, float]:
         started = time.perf_counter()
@@ -312,8 +243,10 @@ class LoraSync(WeightSync):
             raise WeightSyncError(f"LoRA merging needs an engine exposing its torch model "
                                   f"(HFEngine); {type(engine).__name__} does not")
         own = model.state_dict()
-        modules = payload.get("modules") if isinstance(payload, Mapping) else None
-        names = [f"{n}.weight" for n in modules] if isinstance(modules, Mapping) else []
+        try:
+            names = [f"{n}.weight" for n in lora.modules(payload)]
+        except lora.LoraFormatError as e:
+            raise WeightSyncError(str(e)) from None
         base = {n: self._base.get(n, own.get(n)) for n in names if n in own}
         # Validates everything first; a big merge runs off the event loop that streams tokens.
         merged = await asyncio.to_thread(merge_lora, base, payload)

@@ -1,5 +1,5 @@
-"""Random LoRA payloads (clawray.lora/1) for a model's linear layers, and the merged model an
-adapter stands for: what multi-LoRA serving must reproduce."""
+"""Random LoRA payloads (PEFT's format, clawray/models/lora.py) for a model's linear layers, and
+the merged model an adapter stands for: what multi-LoRA serving must reproduce."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from clawray.inference.multi_lora import LORA_FORMAT
+from clawray.models.lora import PEFT_FORMAT, PREFIX, lora_config
 from clawray.weights.sync import merge_lora
 
 
@@ -15,13 +15,15 @@ def random_lora(model: torch.nn.Module, seed: int, rank: int = 4,
                 targets: tuple[str, ...] = ("q_proj", "v_proj", "down_proj"),
                 scale: float = 0.2, scaling: float = 2.0) -> dict:
     g = torch.Generator().manual_seed(seed)
-    modules = {}
+    state = {}
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
-            modules[name] = {"A": torch.randn(rank, m.in_features, generator=g) * scale,
-                             "B": torch.randn(m.out_features, rank, generator=g) * scale,
-                             "scaling": scaling, "fan_in_fan_out": False}
-    return {"format": LORA_FORMAT, "modules": modules}
+            state[f"{PREFIX}{name}.lora_A.weight"] = torch.randn(rank, m.in_features,
+                                                                 generator=g) * scale
+            state[f"{PREFIX}{name}.lora_B.weight"] = torch.randn(m.out_features, rank,
+                                                                 generator=g) * scale
+    return {"format": PEFT_FORMAT, "config": lora_config(rank, scaling * rank, targets),
+            "state": state}
 
 
 def merged(model: torch.nn.Module, payload: dict) -> torch.nn.Module:

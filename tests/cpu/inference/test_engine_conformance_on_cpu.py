@@ -261,7 +261,8 @@ async def test_lora_payloads_serve_the_merged_policy(engine, reference, tiny_mod
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file
 
-    from clawray.weights.sync import LoraSync, WeightSyncError, lora_payload
+    from clawray.models.lora import from_peft_model
+    from clawray.weights.sync import LoraSync, WeightSyncError
 
     torch.manual_seed(0)
     peft_model = get_peft_model(copy.deepcopy(reference), LoraConfig(
@@ -270,7 +271,7 @@ async def test_lora_payloads_serve_the_merged_policy(engine, reference, tiny_mod
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.3)
-    payload = lora_payload(peft_model)
+    payload = from_peft_model(peft_model)
     merged = peft_model.merge_and_unload().eval()
     sync = LoraSync(replica_id="conformance")
     original = load_file(str(tiny_model_path / "model.safetensors"))
@@ -296,7 +297,9 @@ async def test_lora_payloads_serve_the_merged_policy(engine, reference, tiny_mod
         end = long.policy_version_end
         assert long.policy_version == 0 and end in (None, 5)
         assert long.token_versions[0] == 0 and long.token_versions[-1] == (end or 0)
-        bad = {**payload, "modules": {"model.no_such_layer": next(iter(payload["modules"].values()))}}
+        q_proj = "model.layers.0.self_attn.q_proj"  # renamed: a module the model lacks
+        bad = {**payload, "state": {k.replace(q_proj, "model.no_such_layer"): v
+                                     for k, v in payload["state"].items()}}
         with pytest.raises((EngineError, WeightSyncError), match="no_such_layer"):
             await sync.receive(engine, bad, 6)
         assert (await engine.generate(PROMPT, GREEDY))[0].token_ids == out.token_ids

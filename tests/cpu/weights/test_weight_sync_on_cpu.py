@@ -212,7 +212,8 @@ def test_bad_lora_payload_is_reported_and_the_next_one_applies(weights_app, lear
     from peft import LoraConfig, get_peft_model
     from ray import serve
 
-    from clawray.weights.sync import LoraSync, lora_payload
+    from clawray.models.lora import from_peft_model
+    from clawray.weights.sync import LoraSync
 
     peft_model = get_peft_model(copy.deepcopy(learner_model), LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], lora_dropout=0.0))
@@ -220,8 +221,10 @@ def test_bad_lora_payload_is_reported_and_the_next_one_applies(weights_app, lear
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
-    good = lora_payload(peft_model)
-    bad = {**good, "modules": {"model.no_such_layer": next(iter(good["modules"].values()))}}
+    good = from_peft_model(peft_model)
+    q_proj = "model.layers.0.self_attn.q_proj"  # renamed: a module the model lacks
+    bad = {**good, "state": {k.replace(q_proj, "model.no_such_layer"): v
+                              for k, v in good["state"].items()}}
     sync = LoraSync(weights_app.app)
     version = max(ray.get(sync.control.status.remote())["version"], weights_app.version) + 1
     sync.prepare(version)

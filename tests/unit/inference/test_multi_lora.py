@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clawray.inference.multi_lora import LORA_FORMAT, LoraError, MultiLora
+from clawray.inference.multi_lora import LoraError, MultiLora
 from tests.support.lora import merged, random_lora
 
 
@@ -70,14 +70,16 @@ def test_bad_payloads_are_refused_whole(model):
         with pytest.raises(LoraError, match="not a LoRA payload"):
             lora.add("x", {"modules": {}})
         good = random_lora(model, 1)
-        name = next(iter(good["modules"]))
-        bad = {"format": LORA_FORMAT, "modules": {**good["modules"], "model.nope": good["modules"][name]}}
+        key = next(k for k in good["state"] if k.endswith("lora_A.weight"))
+        bad = {**good, "state": {**good["state"],
+                                 "base_model.model.model.nope.lora_A.weight": good["state"][key],
+                                 "base_model.model.model.nope.lora_B.weight":
+                                     good["state"][key.replace("lora_A", "lora_B")]}}
         with pytest.raises(LoraError, match="not a linear layer"):
             lora.add("x", bad)
         with pytest.raises(LoraError, match="max_rank"):
             lora.add("x", random_lora(model, 1, rank=8))
-        wrong = {"format": LORA_FORMAT, "modules": {name: {**good["modules"][name],
-                                                         "A": torch.zeros(4, 3)}}}
+        wrong = {**good, "state": {**good["state"], key: torch.zeros(4, 3)}}
         with pytest.raises(LoraError, match="do not fit"):
             lora.add("x", wrong)
         assert "x" not in lora and lora.names() == []

@@ -21,10 +21,10 @@ from clawray.inference.vllm_engine import (
     CheckpointFiles,
     VLLMEngine,
     VLLMUnavailableError,
+    check_adapter,
     completion_to_delta,
     engine_args_kwargs,
     installed_vllm,
-    peft_adapter,
     map_finish_reason,
     prompt_logprobs_kwargs,
     response_prompt_logprobs,
@@ -280,51 +280,55 @@ def test_checkpoint_writes_a_whole_file_from_a_partial_update(tmp_path):
     assert not folder.exists() and (tmp_path / "model.safetensors").exists()
 
 
-def _lora_payload(**over):
+def _lora_payload(**state):
+    """Two modules of different ranks (rank_pattern), as a PEFT payload."""
+    from clawray.models.lora import lora_config
+
     g = torch.Generator().manual_seed(0)
-    mods = {"model.layers.0.self_attn.q_proj": {"A": torch.randn(2, 6, generator=g),
-                                                "B": torch.randn(4, 2, generator=g),
-                                                "scaling": 2.0, "fan_in_fan_out": False},
-            "model.layers.0.mlp.down_proj": {"A": torch.randn(3, 5, generator=g),
-                                             "B": torch.randn(6, 3, generator=g),
-                                             "scaling": 0.5, "fan_in_fan_out": False}}
-    for name, fields in over.items():
-        mods[name] = {**mods.get(name, {}), **fields}
-    return {"format": "clawray.lora/1", "modules": mods}
+    q, down = "base_model.model.model.layers.0.self_attn.q_proj", \
+        "base_model.model.model.layers.0.mlp.down_proj"
+    tensors = {f"{q}.lora_A.weight": torch.randn(2, 6, generator=g),
+               f"{q}.lora_B.weight": torch.randn(4, 2, generator=g),
+               f"{down}.lora_A.weight": torch.randn(3, 5, generator=g),
+               f"{down}.lora_B.weight": torch.randn(6, 3, generator=g)}
+    config = {**lora_config(2, 4.0, ["q_proj", "down_proj"]), "rank_pattern": {"down_proj": 3}}
+    return {"format": "peft", "config": config, "state": {**tensors, **state}}
 
 
 SHAPES = {"model.layers.0.self_attn.q_proj.weight": ([4, 6], "F32"),
           "model.layers.0.mlp.down_proj.weight": ([6, 5], "F32")}
 
 
-def test_a_lora_payload_becomes_a_peft_adapter_with_the_same_deltas():
+def test_a_peft_payload_is_checked_against_the_model_and_written_as_its_folder(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from clawray.models.lora import save_folder
+
     payload = _lora_payload()
-    config, tensors = peft_adapter(payload, SHAPES)
-    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (3, 3, "LORA")
-    assert config["target_modules"] == ["down_proj", "q_proj"]
-    for name, mod in payload["modules"].items():
-        a = tensors[f"base_model.model.{name}.lora_A.weight"]
-        b = tensors[f"base_model.model.{name}.lora_B.weight"]
-        assert a.shape[0] == b.shape[1] == 3  # padded to the largest rank
-        # vLLM applies (alpha / r) * B @ A = B @ A here.
-        assert torch.allclose(b @ a, mod["scaling"] * mod["B"] @ mod["A"], atol=1e-6)
+    assert check_adapter(payload, SHAPES) == 3  # the largest rank: max_lora_rank must cover it
+    folder = save_folder(payload, tmp_path / "adapter")  # what vLLM's LoRARequest loads
+    assert json.loads((folder / "adapter_config.json").read_text()) == payload["config"]
+    written = load_file(str(folder / "adapter_model.safetensors"))
+    assert written.keys() == payload["state"].keys()
+    assert all(torch.equal(written[k], v) for k, v in payload["state"].items())
 
 
 def test_a_bad_lora_payload_names_every_problem():
     with pytest.raises(EngineError, match="not a LoRA payload"):
-        peft_adapter({"modules": {}}, SHAPES)
-    bad = _lora_payload(**{"model.nope": {"A": torch.zeros(2, 2), "B": torch.zeros(2, 2),
-                                          "scaling": 1.0},
-                           "model.layers.0.mlp.down_proj": {"fan_in_fan_out": True}})
-    with pytest.raises(EngineError) as err:
-        peft_adapter(bad, SHAPES)
-    assert "model.nope" in str(err.value) and "fan_in_fan_out" in str(err.value)
-    wrong = _lora_payload(**{"model.layers.0.self_attn.q_proj": {"B": torch.zeros(5, 2)}})
+        check_adapter({"modules": {}}, SHAPES)
+    bad = _lora_payload(**{"base_model.model.model.nope.lora_A.weight": torch.zeros(2, 2),
+                           "base_model.model.model.nope.lora_B.weight": torch.zeros(2, 2)})
+    with pytest.raises(EngineError, match="model.nope"):
+        check_adapter(bad, SHAPES)
+    wrong = _lora_payload(**{"base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight":
+                             torch.zeros(5, 2)})
     with pytest.raises(EngineError, match="the weight is"):
-        peft_adapter(wrong, SHAPES)
-    inf = _lora_payload(**{"model.layers.0.self_attn.q_proj": {"scaling": float("inf")}})
-    with pytest.raises(EngineError, match="finite"):
-        peft_adapter(inf, SHAPES)
+        check_adapter(wrong, SHAPES)
+    dora = {**_lora_payload(), "config": {**_lora_payload()["config"], "use_dora": True}}
+    with pytest.raises(EngineError, match="DoRA"):
+        check_adapter(dora, SHAPES)
 
 
 def test_auto_picks_vllm_exactly_where_it_can_run(monkeypatch):

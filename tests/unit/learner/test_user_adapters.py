@@ -122,10 +122,12 @@ def test_per_user_adapters_need_lora_at_stage_zero(make_bank, tmp_path):
 def test_the_payload_is_the_users_adapter(make_bank, rows, tmp_path):
     bank = make_bank(tmp_path / "adapters")
     bank.update("alice", of_user(rows, "alice"))
-    pa_, pf = bank.payload("alice"), bank.payload("fresh")
-    assert pa_["modules"].keys() == pf["modules"].keys()
-    assert all(torch.count_nonzero(m["B"]) == 0 for m in pf["modules"].values())
-    assert any(torch.count_nonzero(m["B"]) > 0 for m in pa_["modules"].values())
+    from clawray.models.lora import modules
+
+    pa_, pf = modules(bank.payload("alice")), modules(bank.payload("fresh"))
+    assert pa_.keys() == pf.keys()
+    assert all(torch.count_nonzero(b) == 0 for _, b, _ in pf.values())  # peft's init: B = 0
+    assert any(torch.count_nonzero(b) > 0 for _, b, _ in pa_.values())
 
 
 def test_an_exported_adapter_loads_in_peft_as_the_users_policy(make_bank, rows, tmp_path,
@@ -189,12 +191,12 @@ def test_clawray_users_lists_exports_and_deletes(make_bank, rows, tmp_path, caps
 def test_restart_lora_sets_a_kept_version_and_forgets_its_moments(make_bank, rows, tmp_path):
     """The policy gate's trainer restarts from the incumbent after an abandoned candidate."""
     from clawray.learner.adapters import _torch_optimizer, restart_lora
-    from clawray.weights.sync import lora_payload
+    from clawray.models.lora import PREFIX, from_peft_model
 
     core = make_bank(tmp_path / "gate").core
     base_lp = core.logprobs(rows)
     core.update(rows)
-    kept, kept_lp = lora_payload(core.module), core.logprobs(rows)
+    kept, kept_lp = from_peft_model(core.module), core.logprobs(rows)
     core.update(rows)  # the line goes on (the candidate that will be abandoned)
     assert core.logprobs(rows) != kept_lp
     assert restart_lora(core, kept) > 0
@@ -206,8 +208,12 @@ def test_restart_lora_sets_a_kept_version_and_forgets_its_moments(make_bank, row
     restart_lora(core, None)  # back to the base model
     for got, want in zip(core.logprobs(rows), base_lp):
         assert got == pytest.approx(want, abs=1e-6)
-    name = next(iter(kept["modules"]))
-    wrong = {**kept, "modules": {**kept["modules"], name: {
-        **kept["modules"][name], "A": torch.zeros(kept["modules"][name]["A"].shape[0] + 1, 3)}}}
+    # a well-formed adapter of another rank at one module does not fit this learner's
+    key = next(k for k in kept["state"] if k.endswith("lora_A.weight"))
+    a, b = kept["state"][key], kept["state"][key.replace("lora_A", "lora_B")]
+    module = key.removeprefix(PREFIX).removesuffix(".lora_A.weight")
+    wrong = {**kept, "config": {**kept["config"], "rank_pattern": {module: a.shape[0] + 1}},
+             "state": {**kept["state"], key: torch.zeros(a.shape[0] + 1, a.shape[1]),
+                       key.replace("lora_A", "lora_B"): torch.zeros(b.shape[0], a.shape[0] + 1)}}
     with pytest.raises(ValueError, match="does not fit this learner's adapter"):
         restart_lora(core, wrong)

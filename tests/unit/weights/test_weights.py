@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from clawray.inference import EngineError, HFEngine
+from clawray.models import lora
+from clawray.models.lora import from_peft_model
 from clawray.weights.sync import (
     LoraSync,
     ObjectStoreSync,
     WeightSyncError,
     copy_baseline,
-    lora_payload,
-    lora_payload_from_state_dict,
     make_weight_sync,
     merge_lora,
 )
@@ -65,9 +65,9 @@ def snapshot(engine) -> dict[str, torch.Tensor]:
 
 async def test_lora_merge_matches_peft_merge_and_unload(base_model):
     first, second = peft_model_of(base_model, 0), peft_model_of(base_model, 1)
-    payloads = [lora_payload(first), lora_payload(second)]
-    assert set(payloads[0]["modules"]) >= {"model.layers.0.self_attn.q_proj",
-                                          "model.layers.0.mlp.down_proj"}
+    payloads = [from_peft_model(first), from_peft_model(second)]
+    assert set(lora.modules(payloads[0])) >= {"model.layers.0.self_attn.q_proj",
+                                              "model.layers.0.mlp.down_proj"}
     expected = [first.merge_and_unload().state_dict(), second.merge_and_unload().state_dict()]
     sync = LoraSync("test", replica_id="r0")
     async with engine_on(base_model) as engine:
@@ -82,38 +82,56 @@ async def test_lora_merge_matches_peft_merge_and_unload(base_model):
     assert not torch.allclose(expected[0][q], expected[1][q])
 
 
-def test_lora_payload_from_peft_state_dict_matches_the_model(base_model):
-    from peft import get_peft_model_state_dict
+def test_a_payload_is_peft_state_and_config_and_scales_by_peft_rules(base_model, tmp_path):
+    from peft import PeftModel, get_peft_model_state_dict
 
     model = peft_model_of(base_model, 2, use_rslora=True, alpha_pattern={"v_proj": 16})
-    direct = lora_payload(model)
-    built = lora_payload_from_state_dict(get_peft_model_state_dict(model), lora_alpha=8,
-                                         use_rslora=True, alpha_pattern={"v_proj": 16})
-    assert direct["modules"].keys() == built["modules"].keys()
-    for name, mod in direct["modules"].items():
-        assert built["modules"][name]["scaling"] == pytest.approx(mod["scaling"]), name
-        assert torch.equal(built["modules"][name]["B"], mod["B"])
-    assert direct["modules"]["model.layers.0.self_attn.v_proj"]["scaling"] == pytest.approx(8.0)
+    direct = from_peft_model(model)
+    assert direct["state"].keys() == get_peft_model_state_dict(model).keys()
+    built = LoraSync("test", lora_alpha=8, use_rslora=True, alpha_pattern={"v_proj": 16}
+                     ).payload(get_peft_model_state_dict(model))
+    mods, built_mods = lora.modules(direct), lora.modules(built)
+    assert mods.keys() == built_mods.keys()
+    for name, (a, b, scaling) in mods.items():
+        layer = model.get_submodule(f"base_model.model.{name}")
+        assert scaling == pytest.approx(layer.scaling["default"]), name  # peft's own value
+        assert built_mods[name][2] == pytest.approx(scaling) and torch.equal(built_mods[name][1], b)
+    assert mods["model.layers.0.self_attn.v_proj"][2] == pytest.approx(16 / 2)  # 16 / sqrt(4)
+    # the payload is a PEFT folder in memory: peft loads what save_folder writes
+    import copy
+
+    loaded = PeftModel.from_pretrained(copy.deepcopy(base_model),
+                                       lora.save_folder(direct, tmp_path / "adapter"))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-6)
     # LoraSync.send's conversion needs the config when given a raw peft state dict
     with pytest.raises(WeightSyncError, match="lora_alpha"):
         LoraSync("test").payload(get_peft_model_state_dict(model))
 
 
+Q = "base_model.model.model.layers.0.self_attn.q_proj"
+
+
 @pytest.mark.parametrize("mutate, message", [
-    (lambda p: p["modules"].update({"model.nope": p["modules"]["model.layers.0.self_attn.q_proj"]}),
+    (lambda p: p["state"].update({"base_model.model.model.nope.lora_A.weight":
+                                  p["state"][f"{Q}.lora_A.weight"],
+                                  "base_model.model.model.nope.lora_B.weight":
+                                  p["state"][f"{Q}.lora_B.weight"]}),
      "no weight 'model.nope.weight'"),
-    (lambda p: p["modules"]["model.layers.0.self_attn.q_proj"].update(A=torch.zeros(3, 7)),
-     "rank mismatch"),
-    (lambda p: p["modules"]["model.layers.0.mlp.down_proj"].update(fan_in_fan_out=True),
-     "B @ A is"),
-    (lambda p: p["modules"]["model.layers.0.self_attn.q_proj"].update(scaling=float("nan")),
-     "finite"),
+    (lambda p: p["state"].update({f"{Q}.lora_A.weight": torch.zeros(3, 7)}), "rank mismatch"),
+    (lambda p: p["state"].update({f"{Q}.lora_B.weight": torch.zeros(5, 4)}), "B @ A is"),
+    (lambda p: p["config"].update(r=3), "config says rank 3"),
+    (lambda p: p["config"].update(use_dora=True), "DoRA"),
+    (lambda p: p["config"].update(fan_in_fan_out=True), "fan_in_fan_out"),
+    (lambda p: p["state"].update({"base_model.model.lm_head.weight": torch.zeros(2, 2)}),
+     "not a LoRA linear weight"),
     (lambda p: p.update(format="other"), "not a LoRA payload"),
-    (lambda p: p.update(modules={}), "no modules"),
+    (lambda p: p.update(state={}), "non-empty state"),
 ])
 async def test_bad_lora_payload_is_refused_and_changes_nothing(base_model, mutate, message):
-    payload = lora_payload(peft_model_of(base_model, 3))
-    payload["modules"] = {k: dict(v) for k, v in payload["modules"].items()}
+    payload = from_peft_model(peft_model_of(base_model, 3))
+    payload = {**payload, "config": dict(payload["config"]), "state": dict(payload["state"])}
     mutate(payload)
     async with engine_on(base_model) as engine:
         before = snapshot(engine)
@@ -143,14 +161,17 @@ async def test_bad_state_dict_is_refused_and_changes_nothing(base_model):
 
 
 def test_merge_lora_is_pure_math():
-    w0 = torch.randn(6, 5)
-    a, b = torch.randn(2, 5), torch.randn(6, 2)
-    payload = {"format": "clawray.lora/1",
-               "modules": {"m": {"A": a, "B": b, "scaling": 0.5, "fan_in_fan_out": False}}}
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(6, 5, generator=g)
+    a, b = torch.randn(2, 5, generator=g), torch.randn(6, 2, generator=g)
+    payload = {"format": "peft", "config": lora.lora_config(2, 1.0, ["m"]),
+               "state": {"base_model.model.m.lora_A.weight": a,
+                         "base_model.model.m.lora_B.weight": b}}
     merged = merge_lora({"m.weight": w0}, payload)
-    assert torch.allclose(merged["m.weight"], w0 + 0.5 * b @ a)
-    payload["modules"]["m"]["fan_in_fan_out"] = True
-    assert torch.allclose(merge_lora({"m.weight": w0.T}, payload)["m.weight"], (w0 + 0.5 * b @ a).T)
+    assert torch.allclose(merged["m.weight"], w0 + 0.5 * b @ a, atol=1e-6)  # alpha / r
+    payload["config"]["use_rslora"] = True  # alpha / sqrt(r)
+    assert torch.allclose(merge_lora({"m.weight": w0}, payload)["m.weight"],
+                          w0 + 2 ** -0.5 * b @ a, atol=1e-6)
 
 
 def test_copy_baseline_counts_bytes():

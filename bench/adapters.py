@@ -74,7 +74,7 @@ def build(name: str, path: str, max_adapters: int, concurrency: int) -> Any:
         return HFEngine.from_path(path, dtype="float32", max_model_len=4096,
                                   max_running=concurrency, max_waiting=4 * concurrency,
                                   max_loras=max_adapters, max_lora_rank=RANK)
-    from clawray.inference.vllm_engine import VLLMEngine
+    from clawray.inference.vllm.engine import VLLMEngine
 
     return VLLMEngine.from_config(path, dtype="float32", max_model_len=4096,
                                   max_num_seqs=concurrency, max_waiting=4 * concurrency,

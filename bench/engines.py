@@ -68,8 +68,9 @@ REPLICA_CPUS = os.cpu_count() or 2
 
 def vllm_args() -> dict[str, Any]:
     """One engine configuration for every vLLM setup: clawray's defaults for the installed
-    build (``engine_args_kwargs`` in clawray/inference/vllm_engine.py)."""
-    from clawray.inference.vllm_engine import CPU_BLOCK_SIZE, installed_vllm
+    build (``engine_args_kwargs`` in clawray/inference/vllm/convert.py)."""
+    from clawray.inference.vllm import installed_vllm
+    from clawray.inference.vllm.convert import CPU_BLOCK_SIZE
 
     found = installed_vllm()
     if found is not None and found[0] == "vllm":  # the CUDA build

@@ -23,7 +23,7 @@ command -v nvidia-smi >/dev/null || { echo "gpu_check: no nvidia-smi: not a CUDA
 nvidia-smi -L
 $PY - <<'PYEOF'
 import sys, torch
-from clawray.inference.vllm_engine import installed_vllm
+from clawray.inference.vllm import installed_vllm
 found = installed_vllm()
 if not torch.cuda.is_available() or found is None or found[0] != "vllm":
     sys.exit(f"gpu_check: needs CUDA torch and the CUDA build of vLLM; have cuda="

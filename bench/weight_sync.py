@@ -110,7 +110,7 @@ async def engine_rounds(engine_name: str, path: Path, states: list[dict]) -> dic
 
         engine = HFEngine.from_path(path, max_model_len=2048)
     else:
-        from clawray.inference.vllm_engine import VLLMEngine
+        from clawray.inference.vllm.engine import VLLMEngine
 
         engine = VLLMEngine.from_config(str(path), max_model_len=2048,
                                         kv_cache_memory_bytes=256 << 20, dtype="float32")
@@ -141,7 +141,7 @@ def main() -> int:
     args = ap.parse_args()
     engines = args.engines.split(",")
     if "vllm" in engines:
-        from clawray.inference.vllm_engine import VLLMUnavailableError, check_vllm_available
+        from clawray.inference.vllm import VLLMUnavailableError, check_vllm_available
 
         try:
             check_vllm_available()

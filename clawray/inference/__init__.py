@@ -26,9 +26,9 @@ from clawray.inference.fixed_latency import FixedLatencyEngine
 
 if TYPE_CHECKING:
     from clawray.inference.hf_engine import HFEngine
-    from clawray.inference.vllm_engine import VLLMEngine
+    from clawray.inference.vllm.engine import VLLMEngine
 
-_LAZY = {"HFEngine": "clawray.inference.hf_engine", "VLLMEngine": "clawray.inference.vllm_engine"}
+_LAZY = {"HFEngine": "clawray.inference.hf_engine", "VLLMEngine": "clawray.inference.vllm.engine"}
 
 __all__ = [
     "Engine",

@@ -19,7 +19,7 @@ def resolve_engine(name: str) -> str:
     at concurrency 8 and 32), else the transformers engine; other names as they are."""
     if name != "auto":
         return name
-    from clawray.inference.vllm_engine import VLLMUnavailableError, check_vllm_available
+    from clawray.inference.vllm import VLLMUnavailableError, check_vllm_available
 
     try:
         check_vllm_available()
@@ -47,7 +47,7 @@ def make_engine(model: ModelConfig, inference: InferenceConfig, info: "ModelInfo
             max_lora_rank=inference.max_lora_rank or 64,
         )
     if engine == "vllm":
-        from clawray.inference.vllm_engine import VLLMEngine
+        from clawray.inference.vllm.engine import VLLMEngine
 
         kv_bytes = None if inference.kv_cache_gib is None else int(inference.kv_cache_gib * 2**30)
         return VLLMEngine.from_config(

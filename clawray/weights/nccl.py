@@ -14,7 +14,7 @@ rank 0; replica ``i``'s workers take ranks ``1 + i·ranks_per_replica …``.
 The replicas' vLLM engines must start with ``weight_transfer_config=WeightTransferConfig(
 backend="nccl")`` (an ``AsyncEngineArgs`` field). vLLM is imported only inside the methods that
 need it: this module imports on a CPU machine, and using the sync there raises
-``VLLMUnavailableError`` (the engine's own, from ``inference/vllm_engine.py``). Not run in CI (no
+``VLLMUnavailableError`` (the engine's own, from ``inference/vllm/availability.py``). Not run in CI (no
 GPU); see docs/weights.md.
 """
 
@@ -29,7 +29,7 @@ from typing import Any, Iterator, Mapping
 import ray
 import torch
 
-from clawray.inference.vllm_engine import VLLM_VERSION, VLLMUnavailableError
+from clawray.inference.vllm import VLLM_VERSION, VLLMUnavailableError
 from clawray.weights.sync import WeightSync, WeightSyncError, check_state, state_nbytes
 
 

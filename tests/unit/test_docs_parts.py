@@ -19,15 +19,16 @@ def parts_section() -> str:
 
 def mentioned(path: Path, parts: str) -> bool:
     """The full path is in the table; or, for ``clawray/<part>/<file>``, the file's name is in
-    the row of ``clawray/<part>/``; or a ``bench/…*…`` / ``scripts/…*…`` pattern covers it."""
+    the row of ``clawray/<part>/`` (for ``clawray/<part>/<sub>/<file>``, with ``<sub>/``); or a ``bench/…*…`` / ``scripts/…*…`` pattern covers it."""
     rel = path.relative_to(REPO).as_posix()
     if rel in parts:
         return True
     bits = rel.split("/")
-    if bits[0] == "clawray" and len(bits) == 3:
+    if bits[0] == "clawray" and len(bits) in (3, 4):  # a part's file, or its sub-package's
         rows = [r for r in parts.splitlines() if r.startswith("| ")
                 and f"`clawray/{bits[1]}/`" in r.split("|")[2]]
-        return any(re.search(rf"\b{re.escape(path.name)}\b", r) for r in rows)
+        return any(re.search(rf"\b{re.escape(path.name)}\b", r)
+                   and (len(bits) == 3 or f"`{bits[2]}/`" in r) for r in rows)
     patterns = re.findall(r"`((?:bench|scripts)/[^`]*\*[^`]*)`", parts)
     return any(fnmatch.fnmatch(rel, p) for p in patterns)
 

@@ -39,7 +39,7 @@ def build(name: str, path) -> Engine:
                                   max_loras=2, max_lora_rank=8)
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed here (make setup installs it; see docs/vllm.md)")
-    from clawray.inference.vllm_engine import VLLMEngine
+    from clawray.inference.vllm.engine import VLLMEngine
 
     return VLLMEngine.from_config(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN,
                                   max_num_seqs=MAX_RUNNING, max_waiting=MAX_WAITING,

@@ -191,7 +191,7 @@ async def test_nccl_sync_imports_without_vllm_and_says_what_is_missing():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
-    from clawray.inference.vllm_engine import VLLMUnavailableError
+    from clawray.inference.vllm import VLLMUnavailableError
 
     sync = make_weight_sync("nccl", "app", ranks_per_replica=2)
     assert sync.kind == "nccl"
@@ -225,7 +225,7 @@ def test_nccl_sync_for_an_app_takes_its_ranks_from_tensor_parallelism():
 
 
 def test_the_publisher_refuses_nccl_where_it_cannot_run_before_starting_anything():
-    from clawray.inference.vllm_engine import VLLMUnavailableError
+    from clawray.inference.vllm import VLLMUnavailableError
     from clawray.weights.publisher import WeightPublisher
 
     with pytest.raises(ValueError, match="unknown weight transport 'rsync'"):

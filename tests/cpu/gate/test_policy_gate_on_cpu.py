@@ -67,7 +67,10 @@ def test_the_gate_rejects_canaries_promotes_and_rolls_back(served, tiny_model_pa
         assert shadow["n"] == 10 and shadow["candidate_health"]["readable_rate"] < 0.8
         assert shadow["incumbent_health"]["readable_rate"] == 1.0  # the base, same prompts
         assert st["abandoned"] == [1] and st["line"] == 1 and st["incumbent"] == 0
-        assert adapter_name(1) not in ray.get(control.status.remote())["adapters"]
+        # the gate drops the rejected adapter right after its verdict (the status can be read
+        # between the two: the gate actor answers while it awaits the control actor)
+        wait_for(lambda: adapter_name(1) not in ray.get(control.status.remote())["adapters"],
+                 "the rejected candidate's adapter to leave the replicas", timeout_s=30)
 
         # 2. a healthy candidate passes shadow evaluation and serves its canary only
         good = random_lora(base, 2, scale=0.01)

@@ -81,7 +81,14 @@ def test_a_rejected_candidates_line_is_abandoned_and_training_restarts_from_the_
             time.sleep(0.5)
         # canary_share 1.0: every session is now served by the candidate's adapter
         control = get_app_control(APP)  # every replica mirrors the routing before we ask
-        ray.get(control.wait_routing.remote(ray.get(control.status.remote())["routing_seq"]))
+        # The gate's status says "canary" as soon as it decides, before it has pushed the
+        # canary's routing to the control actor: wait for that table, then for the replicas.
+        deadline = time.time() + 30
+        while (ctl := ray.get(control.status.remote()))["routing"].get(
+                "candidate_adapter") != adapter_name(1):
+            assert time.time() < deadline, ctl["routing"]
+            time.sleep(0.2)
+        ray.get(control.wait_routing.remote(ctl["routing_seq"]))
         sid = _session(client)
         deadline = time.time() + 30  # the JSONL sink writes from a thread of its own
         while len(recs := [x for x in read_jsonl_records(cfg.serving_cfg.records_path)

@@ -129,6 +129,25 @@ def modules(payload: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]
     return out
 
 
+def fitted_modules(payload: Any, weight_shapes: Mapping[str, Any]
+                   ) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """``modules(payload)``, each also checked against the model: ``weight_shapes`` maps
+    weight names (``<module>.weight``) to their ``[out, in]`` shapes. Raises LoraFormatError
+    naming up to five problems (a module the model lacks, a ``B @ A`` of another shape)."""
+    mods = modules(payload)
+    problems = []
+    for name, (a, b, _) in mods.items():
+        shape = weight_shapes.get(f"{name}.weight")
+        if shape is None:
+            problems.append(f"{name}: the model has no weight '{name}.weight'")
+        elif (b.shape[0], a.shape[1]) != tuple(shape):
+            problems.append(f"{name}: B @ A is {(b.shape[0], a.shape[1])}, the weight is "
+                            f"{tuple(shape)}")
+    if problems:
+        raise LoraFormatError("bad LoRA payload: " + "; ".join(problems[:5]))
+    return mods
+
+
 def rank_and_alpha(cfg: Mapping[str, Any], module: str) -> tuple[int, float]:
     """The rank and alpha peft gives ``module`` (``rank_pattern`` / ``alpha_pattern``)."""
     from peft.utils.other import get_pattern_key

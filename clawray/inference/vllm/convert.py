@@ -14,8 +14,7 @@ from clawray.inference.engine import (
     SamplingParams,
     TokenDelta,
 )
-from clawray.models.lora import LoraFormatError
-from clawray.models.lora import modules as lora_modules
+from clawray.models.lora import LoraFormatError, fitted_modules
 
 
 WORKER_EXTENSION = "clawray.inference.vllm.worker.WorkerExtension"
@@ -239,17 +238,7 @@ def check_adapter(payload: Any, shapes: Mapping[str, tuple[list[int], str]]) -> 
     before vLLM sees it (vLLM's own errors name neither module nor shape); its largest rank.
     A bad payload raises EngineError naming up to five problems."""
     try:
-        modules = lora_modules(payload)
+        modules = fitted_modules(payload, {n: shape for n, (shape, _) in shapes.items()})
     except LoraFormatError as e:
         raise EngineError(str(e)) from None
-    problems = []
-    for name, (a, b, _) in modules.items():
-        weight = shapes.get(f"{name}.weight")
-        if weight is None:
-            problems.append(f"{name}: the model has no weight '{name}.weight'")
-        elif [b.shape[0], a.shape[1]] != list(weight[0]):
-            problems.append(f"{name}: B @ A is {(b.shape[0], a.shape[1])}, the weight is "
-                            f"{tuple(weight[0])}")
-    if problems:
-        raise EngineError("bad LoRA payload: " + "; ".join(problems[:5]))
     return max(int(a.shape[0]) for a, _, _ in modules.values())

@@ -202,6 +202,24 @@ def tiny_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The bundled real model (``bundled:smollm2``, converted by ``make setup``); skipped, saying
+    why, where its registry package or the gguf reader is not installed."""
+    import importlib.util
+
+    from clawray.models.importer import ModelImportError, bundled_file
+    from clawray.models.loader import ModelLoadError, resolve_model_path
+
+    try:
+        bundled_file("smollm2")
+        if importlib.util.find_spec("gguf") is None:
+            raise ModelImportError("the gguf package is not installed (make setup installs it)")
+        return resolve_model_path("bundled:smollm2")
+    except (ModelImportError, ModelLoadError) as e:
+        pytest.skip(f"bundled:smollm2 is not available here: {e}")
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_path):
     from clawray.models.loader import load_tokenizer
 

@@ -15,14 +15,8 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from clawray.models.importer import ModelImportError
-    from clawray.models.loader import ModelLoadError, resolve_model_path
-
-    try:
-        return resolve_model_path("bundled:smollm2")
-    except (ModelImportError, ModelLoadError) as e:
-        pytest.skip(f"bundled:smollm2 is not available here: {e}")
+def smollm2(smollm2_path):
+    return smollm2_path
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ The bundled model is converted by ``make setup`` (cached); here it is only loade
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -14,25 +13,15 @@ import pytest
 from clawray.models.importer import (
     PROVENANCE,
     ModelImportError,
-    bundled_file,
     import_model,
     provenance,
 )
 from clawray.models.loader import ModelLoadError, policy_model_info, resolve_model_path
 
-def _smollm2_or_skip():
-    try:
-        bundled_file("smollm2")
-    except ModelImportError as e:
-        pytest.skip(str(e))
-    if importlib.util.find_spec("gguf") is None:
-        pytest.skip("the gguf package is not installed (make setup installs it)")
-    return resolve_model_path("bundled:smollm2")
-
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return _smollm2_or_skip()
+def smollm2(smollm2_path):
+    return smollm2_path
 
 
 def test_the_bundled_model_is_a_hugging_face_folder_with_its_provenance(smollm2):

@@ -4,6 +4,7 @@ model and batches, packed vs padded batches, and weight-sync time vs an in-memor
     .venv/bin/python bench/learner.py --quick        # smoke run, ~1 min on 2 cores
     .venv/bin/python bench/learner.py                # 64-row batches, 12 timed rounds
     .venv/bin/python bench/learner.py --model PATH   # any local HF causal LM folder
+    .venv/bin/python bench/learner.py --model bundled:smollm2 --lora-rank 16   # LoRA, real model
 
 Contenders (rows of the table), all on one model loaded from the same folder, all fed the same
 seeded batches, all computing the same loss (``make_batch`` + ``policy_loss`` of clawray, clip
@@ -17,6 +18,13 @@ centred on the current log-probs, batch-mean reward baseline, grad clip, AdamW s
     torch-padded   the same plain loop on the rows right-padded to the longest row with an
                    attention mask; only the response positions reach the LM head, as in packed
 
+With ``--lora-rank R`` every contender trains LoRA adapters only (peft's ``LoraConfig`` with
+``lora_alpha``, ``target_modules`` as ``training.lora_targets``): the learner as
+``training.lora_rank`` does, the baselines as plain torch + peft (``get_peft_model``).
+Memory: each update's peak resident set (sampled every 5 ms) over the process's resident set
+before it (``update_peak_mb``, the activations and gradients of one update) and the whole
+process's largest resident set (``process_peak_mb``; every contender lives in this process).
+
 Contenders are interleaved: round ``i`` runs every contender once on batch ``i``, in an order
 rotated by ``i``, so machine noise hits all of them alike, and a round in which other processes
 took more than ``--max-foreign-pct`` of the CPU is run again after waiting for a quiet machine
@@ -28,7 +36,8 @@ is reported as a check that they did the same work.
 
 Weight sync: a local Ray cluster (``address="local"``) serves the same model in a Serve app
 (one colocated replica, JSONL records, no session pipeline); for several versions the ZeRO-1
-learner takes one more update, then ``ObjectStoreSync`` prepare + send + finalize of its state
+learner takes one more update, then ``ObjectStoreSync`` (``LoraSync`` of the adapters with
+``--lora-rank``) prepare + send + finalize of its state
 dict (until the replica serves it) is timed against ``copy_baseline`` of the same state.
 
 Writes ``bench/results/learner.json`` and ``bench/results/learner.png`` and prints a table.
@@ -161,6 +170,13 @@ class TorchLearner:
         torch.manual_seed(cfg.seed)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
         self.model.config.use_cache = False
+        self.trunk = self.model.base_model  # the transformer without its LM head
+        if cfg.lora_rank > 0:  # plain peft, as LearnerCore configures it
+            from peft import LoraConfig, get_peft_model
+
+            self.model = get_peft_model(self.model, LoraConfig(
+                r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
+                target_modules=cfg.lora_targets, bias="none", task_type="CAUSAL_LM"))
         self.attn = getattr(self.model.config, "_attn_implementation", "sdpa") or "sdpa"
         self.pad_id = self.model.config.pad_token_id or 0
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -184,8 +200,8 @@ class TorchLearner:
         real = torch.arange(width)[None, :] < lengths[:, None]
         input_ids = torch.full((rows, width), self.pad_id, dtype=torch.int64)
         input_ids[real] = pb.input_ids  # row-major order is the packed order
-        hidden = self.model.base_model(input_ids=input_ids, attention_mask=real.long(),
-                                       use_cache=False).last_hidden_state
+        hidden = self.trunk(input_ids=input_ids, attention_mask=real.long(),
+                            use_cache=False).last_hidden_state
         local = pb.score_positions - cu[pb.seq_index]
         picked = hidden.reshape(rows * width, -1)[pb.seq_index * width + local]
         logits = self.model.get_output_embeddings()(picked).float()
@@ -243,7 +259,8 @@ def make_contenders(names: list[str], model_path: Path, args: argparse.Namespace
 
     init_distributed(0, 1, "127.0.0.1", free_port())
     base = {"lr": args.lr, "micro_batches": args.micro_batches, "seed": args.seed,
-            "max_pack_tokens": args.max_pack_tokens}
+            "max_pack_tokens": args.max_pack_tokens, "lora_rank": args.lora_rank,
+            "lora_alpha": args.lora_alpha}
     out: dict[str, Any] = {}
     for name in names:
         if name.startswith("ds-zero"):
@@ -270,15 +287,44 @@ def own_cpu_s() -> float:
     return t.user + t.system
 
 
+class PeakRSS:
+    """The process's largest resident set while the block runs, sampled every 5 ms by a
+    thread (CPU memory has no allocator counter like ``torch.cuda.max_memory_allocated``)."""
+
+    def __enter__(self) -> "PeakRSS":
+        import threading
+
+        import psutil
+
+        self._proc = psutil.Process()
+        self.before = self.peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
 def timed_update(learner: Any, table: Any) -> dict[str, float]:
-    """One whole update call: wall seconds, real tokens, loss, and the share of the machine's
-    CPU that other processes took meanwhile (``foreign_pct``, the noise indicator)."""
-    busy0, own0, t0 = machine_busy_s(), own_cpu_s(), time.perf_counter()
-    raw = learner.update(table)
-    wall = time.perf_counter() - t0
-    foreign = max(0.0, (machine_busy_s() - busy0) - (own_cpu_s() - own0))
+    """One whole update call: wall seconds, real tokens, loss, the update's peak memory over
+    the resident set before it, and the share of the machine's CPU that other processes took
+    meanwhile (``foreign_pct``, the noise indicator)."""
+    with PeakRSS() as rss:
+        busy0, own0, t0 = machine_busy_s(), own_cpu_s(), time.perf_counter()
+        raw = learner.update(table)
+        wall = time.perf_counter() - t0
+        foreign = max(0.0, (machine_busy_s() - busy0) - (own_cpu_s() - own0))
     return {"seconds": wall, "tokens": raw["packed_tokens"], "loss": raw["loss"],
-            "foreign_pct": 100.0 * foreign / (wall * (os.cpu_count() or 1))}
+            "foreign_pct": 100.0 * foreign / (wall * (os.cpu_count() or 1)),
+            "peak_mb": (rss.peak - rss.before) / 2**20, "process_mb": rss.peak / 2**20}
 
 
 def measure_throughput(contenders: dict[str, Any], batches: list, args: argparse.Namespace,
@@ -327,6 +373,8 @@ def measure_throughput(contenders: dict[str, Any], batches: list, args: argparse
             "tokens_per_s_max": round(float(max(tps)), 1),
             "seconds_per_update_median": round(float(np.median([r["seconds"] for r in runs])), 4),
             "foreign_cpu_pct_max": round(max(r["foreign_pct"] for r in runs), 1),
+            "update_peak_mb": round(max(r["peak_mb"] for r in runs), 1),
+            "process_peak_mb": round(max(r["process_mb"] for r in runs), 1),
             "last_loss": runs[-1]["loss"],
         }
         if BASELINE in names:  # paired: the baseline's time over this one's, round by round
@@ -362,14 +410,15 @@ def weight_agreement(contenders: dict[str, Any]) -> dict[str, float]:
 
 def measure_sync(core: Any, model_path: Path, batches: list, versions: int,
                  log: Callable[[str], None]) -> dict[str, Any]:
-    """ObjectStoreSync of the learner's state into a running Serve app vs an in-memory copy."""
+    """The learner's weights (its state dict, or its LoRA adapters) synced into a running Serve
+    app through the object store, against an in-memory copy of the same tensors."""
     import ray
     from ray import serve
 
     from clawray.config import ClawRayConfig
     from clawray.serve.app import build_app
     from clawray.weights.control import get_app_control
-    from clawray.weights.sync import ObjectStoreSync, copy_baseline
+    from clawray.weights.sync import LoraSync, ObjectStoreSync, copy_baseline
 
     started = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix="clawray-bench-learner-")
@@ -391,7 +440,8 @@ def measure_sync(core: Any, model_path: Path, batches: list, versions: int,
                 raise TimeoutError(f"no live replica: {ray.get(control.status.remote())}")
             time.sleep(0.1)
         log(f"  Serve app up in {time.perf_counter() - started:.1f} s")
-        sync = ObjectStoreSync(SYNC_APP)
+        # LoRA: the adapters as the payload (the replica merges them; vLLM loads a LoRA request)
+        sync = LoraSync(SYNC_APP) if core.lora else ObjectStoreSync(SYNC_APP)
         version = int(ray.get(control.status.remote())["version"])
         rounds = []
         for i in range(versions):
@@ -399,10 +449,11 @@ def measure_sync(core: Any, model_path: Path, batches: list, versions: int,
             t0 = time.perf_counter()
             _, state = core.sync_payload()
             payload_s = time.perf_counter() - t0
+            tensors = state["state"] if core.lora else state
             version += 1
             # The floor: the same bytes copied in memory (median of a few: it is sub-millisecond
             # for a small model, and the first copy after an update pays fresh page faults).
-            copies = [copy_baseline(state) for _ in range(COPY_REPEATS)]
+            copies = [copy_baseline(tensors) for _ in range(COPY_REPEATS)]
             copy = {"bytes": copies[0]["bytes"],
                     "seconds": float(np.median([c["seconds"] for c in copies])),
                     "first_s": copies[0]["seconds"]}
@@ -427,6 +478,7 @@ def measure_sync(core: Any, model_path: Path, batches: list, versions: int,
     med = {k: float(np.median([r[k] for r in timed]))
            for k in ("seconds", "send_s", "apply_s", "payload_s", "copy_s")}
     return {
+        "method": type(sync).__name__,
         "rounds": rounds, "bytes": rounds[-1]["bytes"], "copy_bytes": rounds[-1]["copy_bytes"],
         "served_version": served["replica"], "median_over": len(timed),
         "sync_s_median": round(med["seconds"], 5), "send_s_median": round(med["send_s"], 5),
@@ -467,8 +519,11 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"\n{report['settings']['model_name']}: {shape['rows_per_batch']} rows/batch, "
           f"{shape['tokens_mean']:.0f} real tokens/batch (rows {shape['len_min']}-"
           f"{shape['len_max']} tokens), padding waste {shape['padding_waste_mean']:.0%}")
+    lora = report["settings"].get("lora_rank", 0)
+    print(f"training {'LoRA rank ' + str(lora) + ' adapters' if lora else 'all weights'}; "
+          f"'peak MB': one update's peak resident set over the process's before it")
     print(f"{'contender':<14}{'tok/s':>10}{'median':>10}{'min':>9}{'max':>9}{'s/update':>10}"
-          f"{'vs ' + BASELINE:>17}{'paired':>8}")
+          f"{'vs ' + BASELINE:>17}{'paired':>8}{'peak MB':>9}")
     for r in report["throughput"]["results"]:
         ratio = s["ratios"].get(r["contender"])
         paired = r.get("ratio_paired_median")
@@ -476,7 +531,8 @@ def print_table(report: dict[str, Any]) -> None:
               f"{r['tokens_per_s_min']:>9.0f}{r['tokens_per_s_max']:>9.0f}"
               f"{r['seconds_per_update_median']:>10.3f}"
               f"{'-' if ratio is None else f'{ratio:.2f}x':>17}"
-              f"{'-' if paired is None else f'{paired:.2f}x':>8}")
+              f"{'-' if paired is None else f'{paired:.2f}x':>8}"
+              f"{r['update_peak_mb']:>9.0f}")
     t = report["throughput"]
     print(f"{len(t['rounds'])} rounds, {t['disturbed_rounds']} still disturbed (others took "
           f"> {report['settings']['max_foreign_pct']:.0f}% of the CPU); 'paired' is the median "
@@ -494,7 +550,7 @@ def print_table(report: dict[str, Any]) -> None:
     sync = report.get("sync")
     if sync:
         print(f"\nweight sync ({sync['bytes'] / 2**20:.2f} MiB, median of {sync['median_over']}):"
-              f" ObjectStoreSync {1000 * sync['sync_s_median']:.1f} ms (send "
+              f" {sync['method']} {1000 * sync['sync_s_median']:.1f} ms (send "
               f"{1000 * sync['send_s_median']:.1f}, apply {1000 * sync['apply_s_median']:.1f}) vs "
               f"in-memory copy {1000 * sync['copy_s_median']:.2f} ms: {sync['sync_vs_copy']}x; "
               f"state dict from the learner {1000 * sync['payload_s_median']:.2f} ms")
@@ -544,7 +600,7 @@ def save_plot(report: dict[str, Any], path: Path) -> None:
         ax.bar_label(bars, labels=[f"{v:.2f} ms" for v in values], fontsize=8, padding=2)
         ax.set_yscale("log")
         ax.set_ylabel("ms (log scale), median")
-        ax.set_title(f"weight sync of {sync['bytes'] / 2**20:.2f} MiB: ObjectStoreSync = "
+        ax.set_title(f"weight sync of {sync['bytes'] / 2**20:.2f} MiB: {sync['method']} = "
                      f"{sync['sync_vs_copy']}x an in-memory copy", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
         ax.tick_params(axis="x", labelsize=8)
@@ -569,12 +625,9 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print) 
     machine = machine_info()
     machine["versions"].update({p: md.version(p) for p in ("torch", "deepspeed", "pyarrow")})
     machine["torch_threads"] = torch.get_num_threads()
-    if args.model:
-        model_path = Path(args.model).expanduser().resolve()
-    else:
-        from clawray.models.tiny import build_embedded_default
+    from clawray.models.loader import resolve_model_path
 
-        model_path = build_embedded_default()
+    model_path = resolve_model_path(args.model)  # a folder, embedded:tiny (default), bundled:…
     names = [c.strip() for c in args.contenders.split(",") if c.strip()]
     t0 = time.perf_counter()
     pool = make_rows(model_path, args.pool, args.seed, args.max_new)
@@ -628,7 +681,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 16-row batches, 1 warm-up + 2 timed rounds, 2 syncs")
     p.add_argument("--model", default=None,
-                   help="a local HF model folder (default: the embedded tiny model)")
+                   help="a local HF model folder or bundled:smollm2 (default: the embedded "
+                   "tiny model)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="train LoRA adapters of this rank (every contender); 0: all weights")
+    p.add_argument("--lora-alpha", type=float, default=32.0)
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--batch-size", type=int, default=None, help="rows per batch (default 64)")
     p.add_argument("--pool", type=int, default=None, help="distinct rows sampled (default 192)")

@@ -667,6 +667,44 @@ class RLAnythingConfig(_Section):
         return self
 
 
+class TrackingConfig(_Section):
+    """Experiment tracking of the training job's per-iteration metrics (docs/operations.md):
+    TensorBoard event files by default; Weights & Biases and MLflow, each through its own
+    client, when turned on (their packages are optional: ``pip install wandb`` / ``mlflow``)."""
+
+    tensorboard: bool = Field(True, description="Write TensorBoard event files (tensorboardX).")
+    log_dir: str | None = Field(
+        None, description="Folder of the event files, one subfolder per run; default: "
+        "'tensorboard' beside the trainer's metrics.jsonl (training.checkpoint_dir).")
+    wandb: bool = Field(False, description="Log to Weights & Biases (needs `pip install wandb`).")
+    wandb_project: str = Field("clawray", description="W&B project of the runs.")
+    wandb_mode: Literal["offline", "online", "disabled"] = Field(
+        "offline", description="'offline' writes the run under the tracking folder "
+        "(`wandb sync` uploads it later); 'online' needs a W&B login.")
+    mlflow: bool = Field(False, description="Log to MLflow (needs `pip install mlflow`).")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI (a server, 'sqlite:///…', 'databricks'); "
+        "default: a local SQLite store, mlflow.db beside the trainer's metrics.jsonl, with "
+        "the artifacts in mlartifacts/ there.")
+    mlflow_experiment: str = Field("clawray", description="MLflow experiment of the runs.")
+
+    @field_validator("wandb_project")
+    @classmethod
+    def _wandb_project(cls, v: str) -> str:
+        # W&B's own rule for project names
+        if not v.strip() or len(v) > 128 or set(v) & set("/\\#?%:"):
+            raise ValueError(f"wandb_project must be a name of 1 to 128 characters without "
+                             f"any of / \\ # ? % : (got {v!r})")
+        return v
+
+    @field_validator("mlflow_experiment")
+    @classmethod
+    def _mlflow_experiment(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("mlflow_experiment must be a non-empty name")
+        return v
+
+
 class ClawRayConfig(_Section):
     """The whole configuration; builder methods mirror RLlib's ``AlgorithmConfig``."""
 
@@ -689,6 +727,8 @@ class ClawRayConfig(_Section):
     rlanything_cfg: RLAnythingConfig = Field(default_factory=RLAnythingConfig,
                                              alias="rlanything")
     gate_cfg: GateConfig = Field(default_factory=GateConfig, alias="gate")
+    tracking_cfg: TrackingConfig = Field(default_factory=TrackingConfig,
+                                         alias="tracking")
 
     # ---- builder methods (one per concern; each returns self) ----
     def model(self, **kwargs: Any) -> "ClawRayConfig":
@@ -737,6 +777,10 @@ class ClawRayConfig(_Section):
 
     def gate(self, **kwargs: Any) -> "ClawRayConfig":
         self.gate_cfg = _updated(self.gate_cfg, kwargs)
+        return self
+
+    def tracking(self, **kwargs: Any) -> "ClawRayConfig":
+        self.tracking_cfg = _updated(self.tracking_cfg, kwargs)
         return self
 
     # ---- loading and dumping ----

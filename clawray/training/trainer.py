@@ -9,7 +9,8 @@ runs, checkpoints and sweeps clawray configs). One iteration (``step``)::
            from it and the rest from live sessions
     update one LearnerGroup iteration (DeepSpeed ranks read the refs zero-copy)
     sync   publish the new weights; wait until every serving replica runs them
-    log    windowed stats (RLlib MetricsLogger), Ray metrics (Prometheus), a JSONL line
+    log    windowed stats (RLlib MetricsLogger), Ray metrics (Prometheus), a JSONL line,
+           TensorBoard event files and W&B / MLflow runs (tracking.py, ``tracking:``)
 
 In ``env`` and ``mixed`` modes the trainer also runs an ``EnvRunnerGroup`` (runners playing
 GRPO groups against the same app, fed by the ``CurriculumActor``); each iteration replaces dead
@@ -50,6 +51,7 @@ from clawray.samples import policy_user_of
 from clawray.serve.app import build_app
 from clawray.sessions.pipeline import start_live_pipeline
 from clawray.training.per_user import next_take, plan_updates
+from clawray.training.tracking import Tracker
 from clawray.weights.nccl import check_nccl_available
 from clawray.weights.publisher import WeightPublisher
 
@@ -121,6 +123,15 @@ class Trainer(tune.Trainable):
         self.cfg = ClawRayConfig.from_dict(config).check()
         t = self.cfg.training_cfg
         self.app = t.app
+        self.checkpoint_dir = Path(t.checkpoint_dir).expanduser()
+        self.metrics_path = Path(t.metrics_path).expanduser() if t.metrics_path else \
+            self.checkpoint_dir / "metrics.jsonl"
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        # TensorBoard (default), W&B, MLflow: the same results, one run per trainer start;
+        # first, so a tracker turned on without its package stops the job before it starts
+        self.tracker = Tracker(self.cfg.tracking_cfg,
+                               f"{self.app}-{time.strftime('%Y%m%d-%H%M%S')}",
+                               self.metrics_path.parent, config=self.cfg.to_dict())
         inf = self.cfg.inference_cfg
         nccl = inf.weight_transfer == "nccl"  # vLLM replicas created for NCCL (GPU)
         if nccl:
@@ -160,10 +171,6 @@ class Trainer(tune.Trainable):
         self._unacked: list[tuple[Any, list[int]]] = []  # (buffer, leases) not yet acked
         self.metrics = MetricsLogger()
         self.gauges = _Gauges(self.app)
-        self.checkpoint_dir = Path(t.checkpoint_dir).expanduser()
-        self.metrics_path = Path(t.metrics_path).expanduser() if t.metrics_path else \
-            self.checkpoint_dir / "metrics.jsonl"
-        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         if self.envs is not None:
             if t.mode == "rlanything":
                 self.rla = RLAnythingLoop(self.cfg, self.app, self.envs)
@@ -237,6 +244,7 @@ class Trainer(tune.Trainable):
         with self.metrics_path.open("a") as f:
             f.write(json.dumps({"iteration": self.iteration + 1, "time": time.time(),
                                 **_jsonable(result)}) + "\n")
+        self.tracker.log(self.iteration + 1, result)
         if t.checkpoint_every and (self.iteration + 1) % t.checkpoint_every == 0:
             self.save_checkpoint(str(self.checkpoint_dir))  # acknowledges what it holds
         elif not t.checkpoint_every:
@@ -495,6 +503,8 @@ class Trainer(tune.Trainable):
         self.restored_state = state
 
     def cleanup(self) -> None:
+        if getattr(self, "tracker", None) is not None:
+            self.tracker.close()
         if getattr(self, "rla", None) is not None:
             self.rla.shutdown()
         if getattr(self, "envs", None) is not None:

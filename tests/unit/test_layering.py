@@ -49,7 +49,8 @@ RAY_FREE = ("clawray.config", "clawray.samples", "clawray.records", "clawray.fil
             "clawray.curriculum.samplers", "clawray.curriculum.core", "clawray.rlanything.core",
             "clawray.rlanything.steps", "clawray.rlanything.env_adapter",
             "clawray.envs.rollout", "clawray.judging.parse", "clawray.judging.prompts",
-            "clawray.judging.step_rm", "clawray.gate.core", "clawray.gate.health")
+            "clawray.judging.step_rm", "clawray.gate.core", "clawray.gate.health",
+            "clawray.training.tracking")
 
 
 def modules() -> dict[str, Path]:

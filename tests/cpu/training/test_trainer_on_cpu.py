@@ -19,6 +19,7 @@ import ray
 
 from clawray.config import ClawRayConfig
 from tests.support.common import API_KEY
+from tests.support.events import scalars_of
 
 pytestmark = pytest.mark.ray
 APP = "trainer-app"
@@ -102,6 +103,10 @@ def test_an_iteration_trains_and_every_replica_serves_the_learner_weights(app, t
     assert r["samples"] >= 2 and r["optimizer_steps"] >= 1, r
     assert r["policy_version"] == 1 and r["sync_bytes"] > 0
     assert {"time_take_s", "time_update_s", "time_sync_s"} <= set(r["smoothed"])
+    # the iteration's curves are in TensorBoard's event files (tracking: defaults)
+    curves = scalars_of(trainer.metrics_path.parent / "tensorboard")
+    assert curves[("loss", 1)] == pytest.approx(r["loss"], rel=1e-6)
+    assert curves[("policy_version", 1)] == 1
     handle = serve.get_app_handle(APP)
     seen = {}
     for _ in range(12):  # both replicas, through the handle's routing

@@ -21,9 +21,11 @@ centred on the current log-probs, batch-mean reward baseline, grad clip, AdamW s
 With ``--lora-rank R`` every contender trains LoRA adapters only (peft's ``LoraConfig`` with
 ``lora_alpha``, ``target_modules`` as ``training.lora_targets``): the learner as
 ``training.lora_rank`` does, the baselines as plain torch + peft (``get_peft_model``).
-Memory: each update's peak resident set (sampled every 5 ms) over the process's resident set
-before it (``update_peak_mb``, the activations and gradients of one update) and the whole
-process's largest resident set (``process_peak_mb``; every contender lives in this process).
+Memory (``--memory``, on by default): each contender alone in a fresh process (spawned, so
+no allocator reuses another's freed memory) builds itself and runs one update on the first
+timed batch; reported are the process's resident set once built (``built_mb``: model,
+optimizer state, DeepSpeed), its peak during the update sampled every 5 ms (``peak_mb``) and
+the difference (``update_mb``: activations, gradients, optimizer step).
 
 Contenders are interleaved: round ``i`` runs every contender once on batch ``i``, in an order
 rotated by ``i``, so machine noise hits all of them alike, and a round in which other processes
@@ -314,17 +316,51 @@ class PeakRSS:
 
 
 def timed_update(learner: Any, table: Any) -> dict[str, float]:
-    """One whole update call: wall seconds, real tokens, loss, the update's peak memory over
-    the resident set before it, and the share of the machine's CPU that other processes took
-    meanwhile (``foreign_pct``, the noise indicator)."""
-    with PeakRSS() as rss:
-        busy0, own0, t0 = machine_busy_s(), own_cpu_s(), time.perf_counter()
-        raw = learner.update(table)
-        wall = time.perf_counter() - t0
-        foreign = max(0.0, (machine_busy_s() - busy0) - (own_cpu_s() - own0))
+    """One whole update call: wall seconds, real tokens, loss, and the share of the machine's
+    CPU that other processes took meanwhile (``foreign_pct``, the noise indicator)."""
+    busy0, own0, t0 = machine_busy_s(), own_cpu_s(), time.perf_counter()
+    raw = learner.update(table)
+    wall = time.perf_counter() - t0
+    foreign = max(0.0, (machine_busy_s() - busy0) - (own_cpu_s() - own0))
     return {"seconds": wall, "tokens": raw["packed_tokens"], "loss": raw["loss"],
-            "foreign_pct": 100.0 * foreign / (wall * (os.cpu_count() or 1)),
-            "peak_mb": (rss.peak - rss.before) / 2**20, "process_mb": rss.peak / 2**20}
+            "foreign_pct": 100.0 * foreign / (wall * (os.cpu_count() or 1))}
+
+
+def _memory_of_one(name: str, model_path: str, batch_ipc: bytes, args: argparse.Namespace
+                   ) -> dict[str, float]:
+    """In a fresh process: build ``name``, run one update, report its memory (MiB)."""
+    import psutil
+    import pyarrow as pa
+
+    table = pa.ipc.open_stream(batch_ipc).read_all()
+    learner = make_contenders([name], Path(model_path), args)[name]
+    built = psutil.Process().memory_info().rss
+    with PeakRSS() as rss:
+        learner.update(table)
+    return {"built_mb": round(built / 2**20, 1), "peak_mb": round(rss.peak / 2**20, 1),
+            "update_mb": round((rss.peak - built) / 2**20, 1)}
+
+
+def measure_memory(names: list[str], model_path: Path, table: Any, args: argparse.Namespace,
+                   log: Callable[[str], None]) -> dict[str, dict[str, float]]:
+    """Each contender's memory, each alone in a fresh spawned process, one after another."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import pyarrow as pa
+
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    batch_ipc = sink.getvalue().to_pybytes()
+    out = {}
+    for name in names:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            out[name] = pool.submit(_memory_of_one, name, str(model_path), batch_ipc,
+                                    args).result()
+        log(f"  {name}: {out[name]['built_mb']:.0f} MiB built, peak {out[name]['peak_mb']:.0f} "
+            f"MiB in an update (+{out[name]['update_mb']:.0f})")
+    return out
 
 
 def measure_throughput(contenders: dict[str, Any], batches: list, args: argparse.Namespace,
@@ -373,8 +409,6 @@ def measure_throughput(contenders: dict[str, Any], batches: list, args: argparse
             "tokens_per_s_max": round(float(max(tps)), 1),
             "seconds_per_update_median": round(float(np.median([r["seconds"] for r in runs])), 4),
             "foreign_cpu_pct_max": round(max(r["foreign_pct"] for r in runs), 1),
-            "update_peak_mb": round(max(r["peak_mb"] for r in runs), 1),
-            "process_peak_mb": round(max(r["process_mb"] for r in runs), 1),
             "last_loss": runs[-1]["loss"],
         }
         if BASELINE in names:  # paired: the baseline's time over this one's, round by round
@@ -520,10 +554,12 @@ def print_table(report: dict[str, Any]) -> None:
           f"{shape['tokens_mean']:.0f} real tokens/batch (rows {shape['len_min']}-"
           f"{shape['len_max']} tokens), padding waste {shape['padding_waste_mean']:.0%}")
     lora = report["settings"].get("lora_rank", 0)
+    mem = report.get("memory", {})
     print(f"training {'LoRA rank ' + str(lora) + ' adapters' if lora else 'all weights'}; "
-          f"'peak MB': one update's peak resident set over the process's before it")
+          f"memory: each contender alone in a fresh process, its peak resident set in one "
+          f"update and the update's growth over the built learner")
     print(f"{'contender':<14}{'tok/s':>10}{'median':>10}{'min':>9}{'max':>9}{'s/update':>10}"
-          f"{'vs ' + BASELINE:>17}{'paired':>8}{'peak MB':>9}")
+          f"{'vs ' + BASELINE:>17}{'paired':>8}{'peak MiB':>10}{'update':>8}")
     for r in report["throughput"]["results"]:
         ratio = s["ratios"].get(r["contender"])
         paired = r.get("ratio_paired_median")
@@ -532,7 +568,8 @@ def print_table(report: dict[str, Any]) -> None:
               f"{r['seconds_per_update_median']:>10.3f}"
               f"{'-' if ratio is None else f'{ratio:.2f}x':>17}"
               f"{'-' if paired is None else f'{paired:.2f}x':>8}"
-              f"{r['update_peak_mb']:>9.0f}")
+              f"{mem.get(r['contender'], {}).get('peak_mb', float('nan')):>10.0f}"
+              f"{mem.get(r['contender'], {}).get('update_mb', float('nan')):>8.0f}")
     t = report["throughput"]
     print(f"{len(t['rounds'])} rounds, {t['disturbed_rounds']} still disturbed (others took "
           f"> {report['settings']['max_foreign_pct']:.0f}% of the CPU); 'paired' is the median "
@@ -660,6 +697,9 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print) 
     log(f"measuring (machine {busy:.0f}% busy before the start)")
     report["throughput"] = measure_throughput(contenders, batches, args, log)
     report["throughput"]["max_weight_diff_vs_baseline"] = weight_agreement(contenders)
+    if args.memory:
+        log("memory, each contender alone in a fresh process:")
+        report["memory"] = measure_memory(names, model_path, batches[args.warmup], args, log)
     machine["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     report["summary"] = summarize(report)
     if args.sync_versions:
@@ -686,6 +726,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-rank", type=int, default=0,
                    help="train LoRA adapters of this rank (every contender); 0: all weights")
     p.add_argument("--lora-alpha", type=float, default=32.0)
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure each contender's memory in a process of its own (default: "
+                   "on; off with --quick)")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--batch-size", type=int, default=None, help="rows per batch (default 64)")
     p.add_argument("--pool", type=int, default=None, help="distinct rows sampled (default 192)")
@@ -709,9 +752,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS / "learner.json")
     args = p.parse_args(argv)
     quick = {"batch_size": 16, "pool": 32, "iterations": 2, "warmup": 1, "sync_versions": 2,
-             "retries": 0, "quiet_wait_s": 0.0}
+             "retries": 0, "quiet_wait_s": 0.0, "memory": False}
     full = {"batch_size": 64, "pool": 192, "iterations": 12, "warmup": 2, "sync_versions": 6,
-            "retries": 3, "quiet_wait_s": 60.0}
+            "retries": 3, "quiet_wait_s": 60.0, "memory": True}
     apply_profile(args, args.quick, quick, full)
     return args
 

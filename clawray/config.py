@@ -951,6 +951,11 @@ def load_config(path: str | None, app: str | None = None) -> ClawRayConfig:
         if set(args) == {"config"}:
             return load_config(args["config"]).training(app=chosen.get("name", "clawray"))
         cfg = ClawRayConfig.from_dict(args)
+        # where Serve listens is the Serve config's (http_options), unless args say otherwise
+        http = {k: v for k, v in (data.get("http_options") or {}).items()
+                if k in ("host", "port") and k not in (args.get("serving") or {})}
+        if http:
+            cfg.serving(**http)
         return cfg.training(app=chosen.get("name", cfg.training_cfg.app))
     return ClawRayConfig.from_dict(data)
 

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from clawray.config import ConfigError, apply_sets, load_config
 
@@ -28,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-c", "--config", help="clawray YAML, or a Serve config file")
     p.add_argument("--app", help="Serve application to train (default: training.app)")
     p.add_argument("--iterations", type=int, default=100)
-    p.add_argument("--address", default=None, help="Ray address (default: the running "
-                   "cluster if there is one, else a local one)")
+    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else "
+                   "a cluster started with `ray start`, else a new local one)")
     p.add_argument("--num-cpus", type=float, default=None,
                    help="logical CPUs of the local cluster started when none runs (default: "
                         "the cores); the actors mostly wait on each other, so a small machine "
@@ -59,8 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     from clawray.training.trainer import Trainer
 
     if not ray.is_initialized():
-        ray.init(address=args.address, num_cpus=args.num_cpus, include_dashboard=False,
-                 log_to_driver=False)
+        refused = connect(args.address, args.num_cpus, cfg)
+        if refused:
+            print(f"clawray.train: {refused}", file=sys.stderr)
+            return 2
     trainer = Trainer(config=cfg.to_dict())
     try:
         if args.restore:
@@ -72,6 +76,39 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         trainer.stop()
     return 0
+
+
+def connect(address: str | None, num_cpus: float | None, cfg: Any) -> str | None:
+    """Join the Ray cluster to train in: ``address``, else ``RAY_ADDRESS``, else the cluster
+    running on this machine (``ray start``, or the one ``serve run`` started: Ray finds it by
+    its processes), else a new local one. Returns why it refuses instead: no cluster was
+    found, yet something answers on the app's port, so the app runs where this job cannot
+    reach it (another user's cluster, another machine's port forward); training here would
+    start a second app and train a model nobody talks to."""
+    import socket
+
+    import ray
+
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        return None
+    try:
+        ray.init(address="auto", include_dashboard=False, log_to_driver=False)
+        return None
+    except ConnectionError:
+        pass  # no cluster on this machine (or several: then say which with --address)
+    host, port = cfg.serving_cfg.host, cfg.serving_cfg.port
+    probe = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    try:
+        with socket.create_connection((probe, port), timeout=1.0):
+            pass
+    except OSError:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        return None
+    return (f"something already answers on {probe}:{port} (the app's port), but no Ray "
+            "cluster was found on this machine to join: pass the app's cluster with --address "
+            "(or RAY_ADDRESS), or submit the job to it (`ray job submit -- python -m "
+            "clawray.train -c CONFIG`); to run a new app here, set serving.port to a free port")
 
 
 if __name__ == "__main__":

@@ -323,23 +323,46 @@ def cmd_users(args: argparse.Namespace) -> int:
     return 0
 
 
+def join_cluster(address: str) -> None:
+    """Connect to the cluster a running app is in (``auto``: the one on this machine), or a
+    ConfigError that says to start the app first."""
+    import ray
+
+    from clawray.names import NAMESPACE
+
+    if ray.is_initialized():  # (a notebook or test may hold a connection already)
+        return
+    try:
+        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING,
+                 log_to_driver=False)
+    except ConnectionError as e:
+        raise ConfigError(f"no Ray cluster at {address!r} ({e}): start the app first "
+                          "(serve run deployments/local.yaml)") from None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """The running app on one screen (clawray/apps/status.py); ``--json`` for scripts."""
+    from clawray.apps.status import NoApp, gather, render
+
+    join_cluster(args.address)
+    try:
+        st = gather(args.app)
+    except NoApp as e:
+        raise ConfigError(str(e)) from None
+    print(json.dumps(st, indent=2, default=str) if args.json else render(st))
+    return 0
+
+
 def cmd_gate(args: argparse.Namespace) -> int:
     """The policy gate of a running app (docs/gate.md): status, promote, reject, rollback,
     pin, unpin; through Ray (the cluster the app runs on), never through HTTP."""
     import ray
 
     from clawray.gate.actor import get_policy_gate
-    from clawray.names import NAMESPACE
 
     if args.action in ("rollback", "pin") and args.version is None:
         raise ConfigError(f"`clawray gate {args.action}` needs a version (0: the base model)")
-    if not ray.is_initialized():  # (a notebook or test may hold a connection already)
-        try:
-            ray.init(address=args.address, namespace=NAMESPACE, logging_level=logging.WARNING,
-                     log_to_driver=False)
-        except ConnectionError as e:
-            raise ConfigError(f"no Ray cluster at {args.address!r} ({e}): start the app "
-                              "first") from None
+    join_cluster(args.address)
     try:
         gate = get_policy_gate(args.app)
     except ValueError:
@@ -451,6 +474,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-c", "--config", help="clawray YAML")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.set_defaults(fn=cmd_users)
+    p = sub.add_parser("status", help="a running app on one screen: replicas, engine, "
+                       "policy versions, sessions, judge backlog, buffer, gate")
+    p.add_argument("--app", default="clawray", help="the running app's name")
+    p.add_argument("--address", default="auto", help="the Ray cluster (default: auto, the "
+                   "one on this machine)")
+    p.add_argument("--json", action="store_true", help="the whole state as JSON")
+    p.set_defaults(fn=cmd_status)
     p = sub.add_parser("gate", help="the policy gate of a running app: status, events, "
                        "promote, reject, rollback VERSION, pin VERSION, unpin (docs/gate.md)")
     p.add_argument("action", choices=("status", "events", "promote", "reject", "rollback",

@@ -127,6 +127,36 @@ def test_an_iteration_trains_and_every_replica_serves_the_learner_weights(app, t
     assert c.system_fingerprint == "clawray-policy-v1"
 
 
+def test_clawray_status_shows_the_running_app(app, trainer):
+    """``clawray status`` on this app: in-process (the state it reads) and as the command an
+    operator runs (its own process, joining this cluster); an app that does not run is named."""
+    import json
+    import subprocess
+    import sys
+
+    from clawray.apps.status import NoApp, gather, render
+    from tests.support.common import REPO
+
+    st = gather(APP)
+    assert st["engine"]["engine"] == "hf" and st["engine"]["policy_version"] == trainer.version
+    ctl = st["control"]
+    assert ctl["version"] == trainer.version and len(ctl["replicas"]) == REPLICAS
+    assert len(st["hubs"]) >= 1 and all("sessions" in h for h in st["hubs"])
+    assert st["buffer"]["policy_version"] == trainer.version and st["gate"] is None
+    screen = render(st)
+    assert f"published v{trainer.version}" in screen
+    assert f"{REPLICAS} of {REPLICAS} live replicas on it" in screen
+    with pytest.raises(NoApp, match="no app 'nope' runs"):
+        gather("nope")
+    # this cluster by its address: others may run on the machine (a background build's)
+    address = ray.get_runtime_context().gcs_address
+    run = subprocess.run([sys.executable, "-m", "clawray.apps.cli", "status", "--app", APP,
+                          "--address", address, "--json"], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout)["control"]["version"] == trainer.version
+
+
 def test_training_and_syncing_under_load_fail_no_request(app, trainer):
     cfg, client = app
     stop = threading.Event()

@@ -1,0 +1,165 @@
+"""``clawray status``: what a running app is doing, on one screen (``--json`` for scripts).
+
+Read through Ray from the app's own parts, never through HTTP: Serve's view of the app (its
+deployments and replicas), one ingress replica's engine, the ``AppControl`` actor (published
+policy version, the version and liveness of every replica, adapters, the collecting switch),
+the live pipeline (session hubs: sessions open, turns held and being judged; the sample
+buffer: rows available, leased, consumed) and the policy gate. Each part that is not there
+(an app without a gate, a pipeline that is off) is shown as absent, never as an error.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from clawray.names import (NAMESPACE, buffer_name, control_name, gate_name, hub_name,
+                           judge_channel)
+
+MAX_HUBS = 64  # session hubs are numbered from 0; the first missing one ends the count
+CALL_TIMEOUT_S = 10.0
+
+
+class NoApp(Exception):
+    """No app of that name runs in the cluster."""
+
+
+def gather(app: str, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
+    """The app's state as one dict (Ray must be connected). Raises :class:`NoApp`."""
+    import ray
+    from ray import serve
+
+    apps = serve.status().applications
+    if app not in apps:
+        running = sorted(apps)
+        raise NoApp(f"no app {app!r} runs in this Ray cluster"
+                    + (f" (running: {', '.join(running)})" if running else
+                       " (no Serve app runs in it)"))
+    serve_app = apps[app]
+    named = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a.get("namespace") == NAMESPACE}
+
+    def call(name: str, method: str) -> Any:
+        if name not in named:
+            return None
+        try:
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+            return ray.get(getattr(actor, method).remote(), timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - one part down must not hide the others
+            return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+
+    engine: dict[str, Any] | None
+    try:
+        engine = serve.get_app_handle(app).status.remote().result(timeout_s=timeout_s)
+    except Exception as e:  # noqa: BLE001
+        engine = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    hubs = []
+    for i in range(MAX_HUBS):
+        if hub_name(app, i) not in named:
+            break
+        hubs.append(call(hub_name(app, i), "stats"))
+    return {
+        "app": app, "time": time.time(),
+        "serve": {"status": str(serve_app.status.value if hasattr(serve_app.status, "value")
+                                else serve_app.status),
+                  "message": serve_app.message or "",
+                  "deployments": {name: {
+                      "status": str(getattr(d.status, "value", d.status)),
+                      "replicas": {str(getattr(k, "value", k)): v
+                                   for k, v in (d.replica_states or {}).items()}}
+                      for name, d in serve_app.deployments.items()}},
+        "engine": engine,
+        "control": call(control_name(app), "status"),
+        "judge_control": call(control_name(judge_channel(app)), "status"),
+        "hubs": hubs,
+        "buffer": call(buffer_name(app), "stats"),
+        "gate": call(gate_name(app), "status"),
+    }
+
+
+def _ago(t: float | None, now: float) -> str:
+    if not t:
+        return "never"
+    s = max(0.0, now - t)
+    return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else \
+        f"{s / 3600:.1f} h ago"
+
+
+def _error(part: Any) -> str | None:
+    return part.get("error") if isinstance(part, dict) else None
+
+
+def render(st: dict[str, Any]) -> str:
+    """The human-readable screen of :func:`gather`'s dict."""
+    now = st.get("time") or time.time()
+    lines = [f"app {st['app']}: {st['serve']['status']}"
+             + (f" ({st['serve']['message']})" if st["serve"].get("message") else "")]
+    for name, d in st["serve"]["deployments"].items():
+        counts = ", ".join(f"{n} {state.lower()}" for state, n in sorted(d["replicas"].items()))
+        lines.append(f"  {name:<14} {d['status'].lower():<10} {counts or 'no replicas'}")
+    eng = st.get("engine")
+    if _error(eng):
+        lines.append(f"engine: unreachable ({_error(eng)})")
+    elif eng:
+        lines.append(f"engine: {eng['engine']} serving {eng['model']} (window "
+                     f"{eng['max_model_len']:,} tokens), policy v{eng['policy_version']}, "
+                     f"{eng['running']} running, {eng['waiting']} waiting"
+                     + (", PAUSED" if eng.get("paused") else ""))
+    ctl = st.get("control")
+    if _error(ctl):
+        lines.append(f"weights: control actor unreachable ({_error(ctl)})")
+    elif ctl:
+        reps = ctl.get("replicas", {})
+        live = [r for r in reps.values() if r.get("live")]
+        on = sum(r.get("version") == ctl["version"] for r in live)
+        lines.append(f"weights: published v{ctl['version']} ({ctl.get('kind') or 'none yet'}, "
+                     f"{_ago(ctl.get('published_at'), now)}); {on} of {len(live)} live "
+                     f"replicas on it; collecting turns: {'on' if ctl['collecting'] else 'OFF'}")
+        for rid, r in sorted(reps.items()):
+            state = "live" if r.get("live") else f"silent {r.get('seen_s_ago', '?')} s"
+            err = f", error: {r['error']}" if r.get("error") else ""
+            lines.append(f"  replica {rid[-12:]:<12} v{r.get('version')}  {state}{err}")
+        if ctl.get("adapters"):
+            shown = ", ".join(f"{u} v{v}" for u, v in sorted(ctl["adapters"].items())[:8])
+            more = len(ctl["adapters"]) - 8
+            lines.append(f"  adapters: {shown}" + (f" and {more} more" if more > 0 else ""))
+    else:
+        lines.append("weights: no control actor (the app has not started one)")
+    hubs = [h for h in st.get("hubs") or [] if h and not _error(h)]
+    if st.get("hubs"):
+        down = len(st["hubs"]) - len(hubs)
+        lines.append(f"sessions: {sum(h.get('sessions', 0) for h in hubs)} open, "
+                     f"{sum(h.get('turns_held', 0) for h in hubs)} turns held, "
+                     f"{sum(h.get('judging', 0) for h in hubs)} being judged, "
+                     f"{sum(h.get('rows_written', 0) for h in hubs)} samples written "
+                     f"({len(st['hubs'])} hubs" + (f", {down} unreachable)" if down else ")"))
+    else:
+        lines.append("sessions: no session pipeline (record_sink has no hub)")
+    buf = st.get("buffer")
+    if _error(buf):
+        lines.append(f"buffer: unreachable ({_error(buf)})")
+    elif buf:
+        lines.append(f"buffer: {buf.get('available', 0)} rows available, "
+                     f"{buf.get('leased_rows', 0)} leased to the trainer, consumed up to "
+                     f"segment {buf.get('consumed', {}).get('seq')}; trained policy "
+                     f"v{buf.get('policy_version')}")
+    else:
+        lines.append("buffer: none")
+    gate = st.get("gate")
+    if _error(gate):
+        lines.append(f"gate: unreachable ({_error(gate)})")
+    elif gate:
+        events = gate.get("events") if isinstance(gate.get("events"), list) else []
+        last = events[-1] if events else None
+        candidate = gate.get("candidate")
+        lines.append(f"gate: {gate.get('phase', '?')}, incumbent v{gate.get('incumbent')}, "
+                     f"candidate {'none' if candidate is None else f'v{candidate}'}"
+                     + (" (pinned)" if gate.get("pinned") else ""))
+        if last:
+            detail = ", ".join(f"{k} {v}" for k, v in last.items()
+                               if k not in ("seq", "t", "event", "version"))
+            lines.append(f"  last decision: {last.get('event')} v{last.get('version')} "
+                         f"{_ago(last.get('t'), now)}" + (f" ({detail})" if detail else ""))
+    else:
+        lines.append("gate: off")
+    return "\n".join(lines)

@@ -89,6 +89,72 @@ def _error(part: Any) -> str | None:
     return part.get("error") if isinstance(part, dict) else None
 
 
+def _engine(eng: dict[str, Any], now: float) -> list[str]:
+    return [f"engine: {eng['engine']} serving {eng['model']} (window "
+            f"{eng['max_model_len']:,} tokens), policy v{eng['policy_version']}, "
+            f"{eng['running']} running, {eng['waiting']} waiting"
+            + (", PAUSED" if eng.get("paused") else "")]
+
+
+def _weights(ctl: dict[str, Any], now: float) -> list[str]:
+    reps = ctl.get("replicas", {})
+    live = [r for r in reps.values() if r.get("live")]
+    on = sum(r.get("version") == ctl["version"] for r in live)
+    lines = [f"weights: published v{ctl['version']} ({ctl.get('kind') or 'none yet'}, "
+             f"{_ago(ctl.get('published_at'), now)}); {on} of {len(live)} live replicas on "
+             f"it; collecting turns: {'on' if ctl['collecting'] else 'OFF'}"]
+    for rid, r in sorted(reps.items()):
+        state = "live" if r.get("live") else f"silent {r.get('seen_s_ago', '?')} s"
+        err = f", error: {r['error']}" if r.get("error") else ""
+        lines.append(f"  replica {rid[-12:]:<12} v{r.get('version')}  {state}{err}")
+    if ctl.get("adapters"):
+        shown = ", ".join(f"{u} v{v}" for u, v in sorted(ctl["adapters"].items())[:8])
+        more = len(ctl["adapters"]) - 8
+        lines.append(f"  adapters: {shown}" + (f" and {more} more" if more > 0 else ""))
+    return lines
+
+
+def _buffer(buf: dict[str, Any], now: float) -> list[str]:
+    return [f"buffer: {buf.get('available', 0)} rows available, {buf.get('leased_rows', 0)} "
+            f"leased to the trainer, consumed up to segment "
+            f"{buf.get('consumed', {}).get('seq')}; trained policy v{buf.get('policy_version')}"]
+
+
+def _gate(gate: dict[str, Any], now: float) -> list[str]:
+    events = gate.get("events") if isinstance(gate.get("events"), list) else []
+    candidate = gate.get("candidate")
+    lines = [f"gate: {gate.get('phase', '?')}, incumbent v{gate.get('incumbent')}, candidate "
+             f"{'none' if candidate is None else f'v{candidate}'}"
+             + (" (pinned)" if gate.get("pinned") else "")]
+    if events:
+        last = events[-1]
+        detail = ", ".join(f"{k} {v}" for k, v in last.items()
+                           if k not in ("seq", "t", "event", "version"))
+        lines.append(f"  last decision: {last.get('event')} v{last.get('version')} "
+                     f"{_ago(last.get('t'), now)}" + (f" ({detail})" if detail else ""))
+    return lines
+
+
+# (key, label, what its lines are, what to say when the app has none)
+PARTS = (("engine", "engine", _engine, "engine: none"),
+         ("control", "weights: control actor", _weights,
+          "weights: no control actor (the app has not started one)"),
+         ("buffer", "buffer", _buffer, "buffer: none"),
+         ("gate", "gate", _gate, "gate: off"))
+
+
+def _sessions(hubs_st: list[Any]) -> str:
+    hubs = [h for h in hubs_st if h and not _error(h)]
+    if not hubs_st:
+        return "sessions: no session pipeline (record_sink has no hub)"
+    down = len(hubs_st) - len(hubs)
+    return (f"sessions: {sum(h.get('sessions', 0) for h in hubs)} open, "
+            f"{sum(h.get('turns_held', 0) for h in hubs)} turns held, "
+            f"{sum(h.get('judging', 0) for h in hubs)} being judged, "
+            f"{sum(h.get('rows_written', 0) for h in hubs)} samples written "
+            f"({len(hubs_st)} hubs" + (f", {down} unreachable)" if down else ")"))
+
+
 def render(st: dict[str, Any]) -> str:
     """The human-readable screen of :func:`gather`'s dict."""
     now = st.get("time") or time.time()
@@ -97,69 +163,14 @@ def render(st: dict[str, Any]) -> str:
     for name, d in st["serve"]["deployments"].items():
         counts = ", ".join(f"{n} {state.lower()}" for state, n in sorted(d["replicas"].items()))
         lines.append(f"  {name:<14} {d['status'].lower():<10} {counts or 'no replicas'}")
-    eng = st.get("engine")
-    if _error(eng):
-        lines.append(f"engine: unreachable ({_error(eng)})")
-    elif eng:
-        lines.append(f"engine: {eng['engine']} serving {eng['model']} (window "
-                     f"{eng['max_model_len']:,} tokens), policy v{eng['policy_version']}, "
-                     f"{eng['running']} running, {eng['waiting']} waiting"
-                     + (", PAUSED" if eng.get("paused") else ""))
-    ctl = st.get("control")
-    if _error(ctl):
-        lines.append(f"weights: control actor unreachable ({_error(ctl)})")
-    elif ctl:
-        reps = ctl.get("replicas", {})
-        live = [r for r in reps.values() if r.get("live")]
-        on = sum(r.get("version") == ctl["version"] for r in live)
-        lines.append(f"weights: published v{ctl['version']} ({ctl.get('kind') or 'none yet'}, "
-                     f"{_ago(ctl.get('published_at'), now)}); {on} of {len(live)} live "
-                     f"replicas on it; collecting turns: {'on' if ctl['collecting'] else 'OFF'}")
-        for rid, r in sorted(reps.items()):
-            state = "live" if r.get("live") else f"silent {r.get('seen_s_ago', '?')} s"
-            err = f", error: {r['error']}" if r.get("error") else ""
-            lines.append(f"  replica {rid[-12:]:<12} v{r.get('version')}  {state}{err}")
-        if ctl.get("adapters"):
-            shown = ", ".join(f"{u} v{v}" for u, v in sorted(ctl["adapters"].items())[:8])
-            more = len(ctl["adapters"]) - 8
-            lines.append(f"  adapters: {shown}" + (f" and {more} more" if more > 0 else ""))
-    else:
-        lines.append("weights: no control actor (the app has not started one)")
-    hubs = [h for h in st.get("hubs") or [] if h and not _error(h)]
-    if st.get("hubs"):
-        down = len(st["hubs"]) - len(hubs)
-        lines.append(f"sessions: {sum(h.get('sessions', 0) for h in hubs)} open, "
-                     f"{sum(h.get('turns_held', 0) for h in hubs)} turns held, "
-                     f"{sum(h.get('judging', 0) for h in hubs)} being judged, "
-                     f"{sum(h.get('rows_written', 0) for h in hubs)} samples written "
-                     f"({len(st['hubs'])} hubs" + (f", {down} unreachable)" if down else ")"))
-    else:
-        lines.append("sessions: no session pipeline (record_sink has no hub)")
-    buf = st.get("buffer")
-    if _error(buf):
-        lines.append(f"buffer: unreachable ({_error(buf)})")
-    elif buf:
-        lines.append(f"buffer: {buf.get('available', 0)} rows available, "
-                     f"{buf.get('leased_rows', 0)} leased to the trainer, consumed up to "
-                     f"segment {buf.get('consumed', {}).get('seq')}; trained policy "
-                     f"v{buf.get('policy_version')}")
-    else:
-        lines.append("buffer: none")
-    gate = st.get("gate")
-    if _error(gate):
-        lines.append(f"gate: unreachable ({_error(gate)})")
-    elif gate:
-        events = gate.get("events") if isinstance(gate.get("events"), list) else []
-        last = events[-1] if events else None
-        candidate = gate.get("candidate")
-        lines.append(f"gate: {gate.get('phase', '?')}, incumbent v{gate.get('incumbent')}, "
-                     f"candidate {'none' if candidate is None else f'v{candidate}'}"
-                     + (" (pinned)" if gate.get("pinned") else ""))
-        if last:
-            detail = ", ".join(f"{k} {v}" for k, v in last.items()
-                               if k not in ("seq", "t", "event", "version"))
-            lines.append(f"  last decision: {last.get('event')} v{last.get('version')} "
-                         f"{_ago(last.get('t'), now)}" + (f" ({detail})" if detail else ""))
-    else:
-        lines.append("gate: off")
+    for key, label, lines_of, absent in PARTS:
+        part = st.get(key)
+        if _error(part):
+            lines.append(f"{label}: unreachable ({_error(part)})")
+        elif part:
+            lines.extend(lines_of(part, now))
+        else:
+            lines.append(absent)
+        if key == "control":  # the pipeline after the weights, before the buffer
+            lines.append(_sessions(st.get("hubs") or []))
     return "\n".join(lines)

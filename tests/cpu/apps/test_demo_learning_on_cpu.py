@@ -68,3 +68,14 @@ def test_live_users_satisfaction_rises_with_training(served, tmp_path):
     assert judging["judged"] > 0 and judging["unjudged"] == 0, judging
     assert judging["judge_timeouts"] == 0 and judging["judge_calls"] >= judging["judged"], judging
     assert (tmp_path / "progress.png").stat().st_size > 10_000
+    # the run's curves, read back by TensorBoard's own reader: one point per iteration
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run,) = (tmp_path / "tensorboard").iterdir()
+    curves = EventAccumulator(str(run))
+    curves.Reload()
+    versions = curves.Scalars("policy_version")
+    assert [e.step for e in versions] == list(range(1, ITERATIONS + 1))
+    assert versions[-1].value == ITERATIONS
+    assert len(curves.Scalars("loss")) == ITERATIONS and "config/text_summary" in \
+        curves.Tags()["tensors"]

@@ -31,6 +31,7 @@ from clawray.records import GatedSink, RecordSink, TeeSink, make_sink, session_k
 from clawray.serve.auth import KeyChecker
 from clawray.serve import anthropic_messages, openai_chat, openai_completions, openai_responses
 from clawray.serve.chat import ChatService
+from clawray.serve.metrics import CountingSink, ServingMetrics
 from clawray.serve.response_store import start_response_store
 from clawray.serve.policy_server import HandlePolicy, LocalPolicy, PolicyCore
 from clawray.serve.protocol import APIError, parse_feedback, parse_request
@@ -112,7 +113,8 @@ class IngressCore:
                 sinks.append(GatedSink(self.hub_sink, self.collecting))
             else:
                 sinks.append(make_sink(kind, s.records_path, s.records_system_prompt))
-        self.sink = sinks[0] if len(sinks) == 1 else TeeSink(sinks)
+        self.metrics = ServingMetrics(app_name)  # Prometheus series (serve/metrics.py)
+        self.sink = CountingSink(sinks[0] if len(sinks) == 1 else TeeSink(sinks), self.metrics)
         self.responses_store = start_response_store(app_name, s.responses_kept)
         # The policy gate's serving signals (errors, latency per canary side), reported to
         # the control actor by the receiver.
@@ -206,22 +208,29 @@ class IngressCore:
     async def _serve_turn(self, request: Request, turn_of: Any, render_error: Any,
                           what: str) -> Response:
         """Auth, body, then the API's ``turn_of``: the prepared turn, whether it streams, and
-        the API's renderers of its answer and of its stream."""
+        the API's renderers of its answer and of its stream. Every outcome is counted
+        (``clawray_requests_total``), answers timed to the answer or the first event."""
+        started, stream = time.perf_counter(), False
         try:
             tenant = self.keys.check(request.headers)
             raw = await read_body(request, self.cfg.serving_cfg.max_body_bytes)
             _, stream, complete, events_of = await turn_of(raw, tenant)
             if not stream:
-                return JSONResponse(await complete())
+                answer = JSONResponse(await complete())
+                self.metrics.request(what, 200, time.perf_counter() - started, False)
+                return answer
             events = events_of()
             first = await anext(events)  # engine errors surface here, before any byte is sent
         except APIError as e:
+            self.metrics.request(what, e.status, None, bool(stream))
             return render_error(e)
         except Exception:  # a bug of ours: the client still gets the API's error object
             logger.exception("%s failed with an internal error", what)
+            self.metrics.request(what, 500, None, bool(stream))
             return render_error(APIError(500, f"{what} failed with an internal error; retry "
                                          "the request", type="server_error",
                                          code="internal_error"))
+        self.metrics.request(what, 200, time.perf_counter() - started, True)
         return StreamingResponse(_prepend(first, events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

@@ -112,5 +112,10 @@ def test_a_rejected_candidates_line_is_abandoned_and_training_restarts_from_the_
         assert r["gate"] == "candidate" and r["policy_version"] == 2
         st = ray.get(gate.status.remote())
         assert st["candidate"] == 2 and st["abandoned"] == [1] and st["line"] == 1
+        # the operator's dashboard reads the gate's series (deployments/grafana/clawray.json)
+        from tests.support.metrics import dashboard_series, wait_for_series
+
+        gate_series = {s for s in dashboard_series() if s.startswith("ray_clawray_gate_")}
+        assert gate_series and wait_for_series(gate_series) == set()
     finally:
         trainer.stop()

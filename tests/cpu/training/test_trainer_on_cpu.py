@@ -127,6 +127,19 @@ def test_an_iteration_trains_and_every_replica_serves_the_learner_weights(app, t
     assert c.system_fingerprint == "clawray-policy-v1"
 
 
+def test_every_series_of_the_dashboard_is_exported_by_the_running_app(app, trainer):
+    """deployments/grafana/clawray.json against this app's Prometheus endpoint, after
+    sessions were served, judged and trained on: every series a panel reads exists (the
+    policy gate's: tests/cpu/training/test_gated_trainer_on_cpu.py)."""
+    from tests.support.metrics import dashboard_series, wait_for_series
+
+    wanted = dashboard_series()
+    assert len(wanted) >= 15 and "ray_clawray_requests_total" in wanted
+    gate = {s for s in wanted if s.startswith("ray_clawray_gate_")}
+    assert gate
+    assert wait_for_series(wanted - gate) == set()
+
+
 def test_clawray_status_shows_the_running_app(app, trainer):
     """``clawray status`` on this app: in-process (the state it reads) and as the command an
     operator runs (its own process, joining this cluster); an app that does not run is named."""

@@ -113,16 +113,20 @@ def build_embedded_default(cache_dir: Path | None = None, spec: TinyModelSpec = 
 
 
 class _Progress:
-    """Build log lines: on the module logger, and on stderr too when ``progress`` is asked for."""
+    """Build log lines, each shown once: on the module logger, or with ``progress`` on stderr
+    when logging would not show it (the CLI configures logging at INFO: printing as well gave
+    every line twice)."""
 
     def __init__(self, echo: bool) -> None:
         self.echo, self.t0 = echo, time.monotonic()
 
     def __call__(self, msg: str) -> None:
         line = f"[clawray tiny model {time.monotonic() - self.t0:5.1f}s] {msg}"
-        logger.info(line)
-        if self.echo:
+        shown = logger.isEnabledFor(logging.INFO) and logger.hasHandlers()
+        if self.echo and not shown:
             print(line, file=sys.stderr, flush=True)
+        else:
+            logger.info(line)
 
 
 def _build(out: Path, spec: TinyModelSpec, say: _Progress) -> None:

@@ -280,3 +280,28 @@ def test_imprint_call_tool_marker_gives_one_well_formed_call(tiny_model, tiny_to
     assert content is None and len(calls) == 1
     assert calls[0].name == "ls"
     assert isinstance(json.loads(calls[0].arguments), dict)
+
+
+def test_a_build_progress_line_is_shown_once(capsys, monkeypatch):
+    """On stderr when logging would not show it; through logging alone when it would (the
+    CLI logs at INFO: printing too gave every build line twice)."""
+    import io
+    import logging
+
+    from clawray.models import tiny
+
+    log = logging.getLogger("clawray.models.tiny")
+    monkeypatch.setattr(log, "propagate", False)  # only this test's handler, if any
+    tiny._Progress(echo=True)("step one")
+    assert capsys.readouterr().err.count("step one") == 1  # printed: no handler shows it
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        tiny._Progress(echo=True)("step two")
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert stream.getvalue().count("step two") == 1 and "step two" not in capsys.readouterr().err

@@ -173,12 +173,10 @@ class TorchLearner:
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
         self.model.config.use_cache = False
         self.trunk = self.model.base_model  # the transformer without its LM head
-        if cfg.lora_rank > 0:  # plain peft, as LearnerCore configures it
-            from peft import LoraConfig, get_peft_model
+        if cfg.lora_rank > 0:  # plain peft, configured as the learner configures it
+            from clawray.learner.learner import with_lora
 
-            self.model = get_peft_model(self.model, LoraConfig(
-                r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
-                target_modules=cfg.lora_targets, bias="none", task_type="CAUSAL_LM"))
+            self.model = with_lora(self.model, cfg)
         self.attn = getattr(self.model.config, "_attn_implementation", "sdpa") or "sdpa"
         self.pad_id = self.model.config.pad_token_id or 0
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -299,7 +297,7 @@ class PeakRSS:
         import psutil
 
         self._proc = psutil.Process()
-        self.before = self.peak = self._proc.memory_info().rss
+        self.peak = self._proc.memory_info().rss
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()

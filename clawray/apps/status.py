@@ -24,6 +24,11 @@ class NoApp(Exception):
     """No app of that name runs in the cluster."""
 
 
+def _failed(e: Exception) -> dict[str, str]:
+    """What a part that did not answer is shown as."""
+    return {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"}
+
+
 def gather(app: str, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
     """The app's state as one dict (Ray must be connected). Raises :class:`NoApp`."""
     import ray
@@ -46,13 +51,13 @@ def gather(app: str, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
             actor = ray.get_actor(name, namespace=NAMESPACE)
             return ray.get(getattr(actor, method).remote(), timeout=timeout_s)
         except Exception as e:  # noqa: BLE001 - one part down must not hide the others
-            return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            return _failed(e)
 
     engine: dict[str, Any] | None
     try:
         engine = serve.get_app_handle(app).status.remote().result(timeout_s=timeout_s)
     except Exception as e:  # noqa: BLE001
-        engine = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        engine = _failed(e)
     hubs = []
     for i in range(MAX_HUBS):
         if hub_name(app, i) not in named:
@@ -60,8 +65,7 @@ def gather(app: str, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
         hubs.append(call(hub_name(app, i), "stats"))
     return {
         "app": app, "time": time.time(),
-        "serve": {"status": str(serve_app.status.value if hasattr(serve_app.status, "value")
-                                else serve_app.status),
+        "serve": {"status": str(getattr(serve_app.status, "value", serve_app.status)),
                   "message": serve_app.message or "",
                   "deployments": {name: {
                       "status": str(getattr(d.status, "value", d.status)),

@@ -85,15 +85,17 @@ def connect(address: str | None, num_cpus: float | None, cfg: Any) -> str | None
     found, yet something answers on the app's port, so the app runs where this job cannot
     reach it (another user's cluster, another machine's port forward); training here would
     start a second app and train a model nobody talks to."""
+    import functools
     import socket
 
     import ray
 
+    init = functools.partial(ray.init, include_dashboard=False, log_to_driver=False)
     if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        init(address=address)
         return None
     try:
-        ray.init(address="auto", include_dashboard=False, log_to_driver=False)
+        init(address="auto")
         return None
     except ConnectionError:
         pass  # no cluster on this machine (or several: then say which with --address)
@@ -103,7 +105,7 @@ def connect(address: str | None, num_cpus: float | None, cfg: Any) -> str | None
         with socket.create_connection((probe, port), timeout=1.0):
             pass
     except OSError:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        init(num_cpus=num_cpus)
         return None
     return (f"something already answers on {probe}:{port} (the app's port), but no Ray "
             "cluster was found on this machine to join: pass the app's cluster with --address "

@@ -110,6 +110,16 @@ def ds_config(cfg: TrainingConfig, world_size: int) -> dict[str, Any]:
     }
 
 
+def with_lora(model: torch.nn.Module, cfg: TrainingConfig) -> torch.nn.Module:
+    """``model`` wrapped by peft with the LoRA adapters ``training.lora_*`` asks for (the
+    learner's; bench/learner.py's plain-torch baseline uses the same)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(
+        r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
+        target_modules=cfg.lora_targets, bias="none", task_type="CAUSAL_LM"))
+
+
 class LearnerCore:
     """The policy under DeepSpeed on one rank; call ``init_distributed`` first."""
 
@@ -129,11 +139,7 @@ class LearnerCore:
         self.lora = cfg.lora_rank > 0
         self.reference = None
         if self.lora:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(
-                r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
-                target_modules=cfg.lora_targets, bias="none", task_type="CAUSAL_LM"))
+            model = with_lora(model, cfg)
         elif self.loss_cfg.kl_coef > 0:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False).to(self.device)
         self.attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"

@@ -222,11 +222,11 @@ class IngressCore:
             events = events_of()
             first = await anext(events)  # engine errors surface here, before any byte is sent
         except APIError as e:
-            self.metrics.request(what, e.status, None, bool(stream))
+            self.metrics.request(what, e.status, None, stream)
             return render_error(e)
         except Exception:  # a bug of ours: the client still gets the API's error object
             logger.exception("%s failed with an internal error", what)
-            self.metrics.request(what, 500, None, bool(stream))
+            self.metrics.request(what, 500, None, stream)
             return render_error(APIError(500, f"{what} failed with an internal error; retry "
                                          "the request", type="server_error",
                                          code="internal_error"))

@@ -32,8 +32,10 @@ def main(argv: list[str] | None = None) -> None:
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
 
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
-             log_to_driver=False, logging_level=logging.WARNING)
+    from clawray.apps.launch import init_local_ray
+
+    init_local_ray(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
+                   logging_level=logging.WARNING)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port},
                     logging_config={"log_level": "WARNING", "enable_access_log": False})

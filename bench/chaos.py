@@ -1,6 +1,6 @@
 """Chaos soak: live sessions, feedback and training while the parts die one at a time.
 
-    .venv/bin/python bench/chaos.py --quick      # 42 s of chaos (CI runs it)
+    .venv/bin/python bench/chaos.py --quick      # 33 s of chaos (CI runs it)
     .venv/bin/python bench/chaos.py              # 5 minutes (docs/reliability.md)
     .venv/bin/python bench/chaos.py --duration-s 600 --users 6 --kill-every-s 15
 
@@ -70,7 +70,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_config(work: Path, port: int) -> Any:
+def make_config(work: Path, port: int, batch_size: int = 16) -> Any:
     from clawray.config import ClawRayConfig
 
     return (ClawRayConfig()
@@ -80,7 +80,7 @@ def make_config(work: Path, port: int) -> Any:
             .sessions(num_hubs=2, idle_timeout_s=4, feedback_window_s=1, flush_interval_s=0.2)
             .judge(num_voters=2, timeout_s=20)
             .buffer(path=str(work / "samples"), seal_age_s=0.2, lease_s=15)
-            .training(app=APP, batch_size=16, min_batch=4, take_timeout_s=3, lr=1e-4,
+            .training(app=APP, batch_size=batch_size, min_batch=4, take_timeout_s=3, lr=1e-4,
                       learner_num_cpus=0.25, checkpoint_every=2, sync_timeout_s=60,
                       checkpoint_dir=str(work / "ckpt"), metrics_path=str(work / "m.jsonl")))
 
@@ -325,11 +325,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     work = Path(tempfile.mkdtemp(prefix="clawray-chaos-"))
     port = free_port()
-    cfg = make_config(work, port)
+    cfg = make_config(work, port, args.batch_size)
     own = not ray.is_initialized()
     if own:
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-                 logging_level="WARNING")
+        from clawray.apps.launch import init_local_ray
+
+        init_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False,
+                       logging_level="WARNING")
     rng = random.Random(args.seed)
     kills: list[dict[str, Any]] = []
     peaks: dict[str, float] = {}
@@ -464,6 +466,7 @@ def report(args: argparse.Namespace, cfg: Any, clients: Clients, job: TrainerJob
         "benchmark": "chaos",
         "settings": {"duration_s": args.duration_s, "users": args.users,
                      "kill_every_s": args.kill_every_s, "warmup_s": args.warmup_s,
+                     "batch_size": args.batch_size,
                      "seed": args.seed, "engine": cfg.inference_cfg.engine,
                      "ingress_replicas": cfg.serving_cfg.ingress_replicas,
                      "hubs": cfg.sessions_cfg.num_hubs, "voters": cfg.judge_cfg.num_voters,
@@ -546,23 +549,26 @@ def save_plot(r: dict[str, Any], path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="42 s of chaos, a kill every 6 s (CI)")
-    p.add_argument("--duration-s", type=float, default=None, help="default 300 (42 quick)")
+    p.add_argument("--quick", action="store_true", help="33 s of chaos, a kill every 5 s (CI)")
+    p.add_argument("--duration-s", type=float, default=None, help="default 300 (33 quick)")
     p.add_argument("--users", type=int, default=None, help="default 4 (3 quick)")
-    p.add_argument("--kill-every-s", type=float, default=None, help="default 20 (6 quick)")
+    p.add_argument("--kill-every-s", type=float, default=None, help="default 20 (5 quick)")
     p.add_argument("--warmup-s", type=float, default=None,
-                   help="no kill before this (default 15; 8 quick)")
+                   help="no kill before this (default 15; 6 quick)")
     p.add_argument("--drain-s", type=float, default=None,
                    help="after the chaos, let the trainer train what is left for up to this "
                    "(default 180; 90 quick)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="rows per update (default 16; 32 quick: the drain after the chaos, "
+                   "which trains what is left, takes half as many updates)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="a line every second")
     p.add_argument("--out", type=Path, default=RESULTS / "chaos.json")
     args = p.parse_args(argv)
-    defaults = ({"duration_s": 42.0, "users": 3, "kill_every_s": 6.0, "warmup_s": 8.0,
-                 "drain_s": 90.0} if args.quick else
+    defaults = ({"duration_s": 33.0, "users": 3, "kill_every_s": 5.0, "warmup_s": 6.0,
+                 "drain_s": 90.0, "batch_size": 32} if args.quick else
                 {"duration_s": 300.0, "users": 4, "kill_every_s": 20.0, "warmup_s": 15.0,
-                 "drain_s": 180.0})
+                 "drain_s": 180.0, "batch_size": 16})
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)

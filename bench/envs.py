@@ -548,8 +548,10 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print
     }
     started = time.perf_counter()
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
-             log_to_driver=False, logging_level="WARNING", namespace=NAMESPACE)
+    from clawray.apps.launch import init_local_ray
+
+    init_local_ray(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
+                   logging_level="WARNING", namespace=NAMESPACE)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
                     logging_config={"log_level": "WARNING", "enable_access_log": False})

@@ -455,8 +455,10 @@ def measure_sync(core: Any, model_path: Path, batches: list, versions: int,
     started = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix="clawray-bench-learner-")
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             logging_level="WARNING", namespace="bench")
+    from clawray.apps.launch import init_local_ray
+
+    init_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                   logging_level="WARNING", namespace="bench")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
                     logging_config={"log_level": "WARNING", "enable_access_log": False})

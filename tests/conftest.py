@@ -231,8 +231,10 @@ def ray_cluster():
     import ray
 
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False,
-             logging_level="WARNING", namespace="clawray-tests")
+    from clawray.apps.launch import init_local_ray
+
+    init_local_ray(num_cpus=6, include_dashboard=False, log_to_driver=False,
+                   logging_level="WARNING", namespace="clawray-tests")
     yield ray
     # ray.shutdown() ends Serve's actors with the cluster; serve.shutdown() first would wait
     # ~30 s for the controller's graceful drain.

@@ -36,6 +36,7 @@ import numpy as np
 import ray
 from ray import serve
 
+from clawray.apps.launch import init_local_ray
 from clawray.config import ClawRayConfig, apply_sets
 from clawray.serve.app import build_app
 from clawray.training.evaluate import (EVAL_MAX_DIFFICULTY, EVAL_SAMPLES, held_out_success,
@@ -227,7 +228,7 @@ def run_env_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
     print(f"clawray env-demo: warm-started model {sft.path} "
           f"({'cached' if sft.cached else f'{time.monotonic() - t0:.0f} s'})", flush=True)
     cfg = cfg.copy_with(model={"path": str(sft.path)})
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    init_local_ray(include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": cfg.serving_cfg.port})
         serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")

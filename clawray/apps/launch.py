@@ -17,6 +17,32 @@ from clawray.config import ClawRayConfig
 from clawray.serve.app import build_app
 
 
+# What ray.init raises when the node it starts never registers: on a busy machine the raylet
+# exits at start-up when its dashboard agent writes its port files late (a fixed wait inside
+# the raylet, ray-project/ray#65983; raylet.err says "Timed out waiting for file
+# .../metrics_agent_port_..."). Seen once in the suite, a notebook's cluster starting while
+# another test's vLLM engine shut down.
+_NODE_START_TIMEOUT = "timed out during startup"
+
+
+def init_local_ray(attempts: int = 3, **kwargs: Any) -> None:
+    """``ray.init(address="local", **kwargs)``: a Ray cluster of this process's own, never
+    one that is already running. A node that timed out during start-up (see
+    ``_NODE_START_TIMEOUT``) is shut down and started again, up to ``attempts`` times in all;
+    any other error is raised at once."""
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address="local", **kwargs)
+            return
+        except Exception as e:
+            if _NODE_START_TIMEOUT not in str(e) or attempt == attempts:
+                raise
+            logging.getLogger(__name__).warning(
+                "Ray's node timed out during start-up (attempt %d of %d); starting it again",
+                attempt, attempts)
+            ray.shutdown()
+
+
 def start_serving(cfg: ClawRayConfig, *, blocking: bool) -> str:
     """Start (or join) local Ray, run the app, return the base URL."""
     s = cfg.serving_cfg

@@ -51,6 +51,7 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from clawray.apps.env_demo import env_demo_config  # noqa: E402
+from clawray.apps.launch import init_local_ray
 from clawray.config import ClawRayConfig
 from clawray.rlanything.loop import StepScorer
 from clawray.serve.app import build_app
@@ -206,8 +207,8 @@ def cluster(cfg: ClawRayConfig, rows: int = 1) -> Iterator[None]:
     if own:
         # Logical CPUs beyond the cores: the actors mostly wait on each other (as the tests'
         # cluster). A row asks for about 3 (replicas, learners, runners).
-        ray.init(address="local", num_cpus=max(4 * rows, os.cpu_count() or 1),
-                 include_dashboard=False, log_to_driver=False)
+        init_local_ray(num_cpus=max(4 * rows, os.cpu_count() or 1), include_dashboard=False,
+                       log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": cfg.serving_cfg.port})
         yield

@@ -138,7 +138,8 @@ async def stream(service: ChatService, turn: PreparedTurn) -> AsyncIterator[str]
                     yield chunk(ev.index, {}, ev.finish_reason)
                 elif isinstance(ev, StreamUsage) and turn.include_usage:
                     yield sse({"id": turn.request_id, "object": "chat.completion.chunk",
-                               "created": turn.created, "model": turn.model, "choices": [],
+                               "created": turn.created, "model": turn.model,
+                               "system_fingerprint": fingerprint(version), "choices": [],
                                "usage": usage_json(ev.usage)})
             yield "data: [DONE]\n\n"
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, end the stream

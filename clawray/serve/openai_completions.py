@@ -253,9 +253,12 @@ async def stream(service: ChatService, p: Prepared) -> AsyncIterator[str]:
                             usage.cached_tokens = ((usage.cached_tokens or 0)
                                                    + ev.usage.cached_tokens)
             if first.include_usage:
+                # the version the non-streamed answer names: the newest that served a prompt
                 yield sse({"id": first.request_id, "object": "text_completion",
-                           "created": first.created, "model": first.model, "choices": [],
-                           "usage": usage_json(usage)})
+                           "created": first.created, "model": first.model,
+                           "system_fingerprint": fingerprint(
+                               max(o.policy_version for o in opened_all)),
+                           "choices": [], "usage": usage_json(usage)})
             yield "data: [DONE]\n\n"
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
             yield sse(api_error_of(e).body())

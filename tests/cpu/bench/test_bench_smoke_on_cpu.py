@@ -157,7 +157,7 @@ def test_prompt_token_bench_checks_ids_and_reports_both_methods(tmp_path, tiny_m
 
 def test_quick_chaos_soak_loses_nothing_duplicates_nothing_trains_nothing_twice(
         tiny_model_path, tmp_path):
-    """``bench/chaos.py --quick`` in its own process (its own Ray): 42 s of sessions,
+    """``bench/chaos.py --quick`` in its own process (its own Ray): 33 s of sessions,
     feedback and training while a hub, a voter, the buffer, a learner rank, an ingress replica
     and the trainer job are killed one at a time."""
     out = tmp_path / "chaos.json"

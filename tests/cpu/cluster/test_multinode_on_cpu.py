@@ -1,6 +1,7 @@
 """A simulated multi-node cluster (``ray.cluster_utils.Cluster``, in its own process:
 ``tests/support/multinode.py``), started once for three checks: learner ranks on two nodes
-update like one rank; EnvRunners spread over both nodes play their groups and write every step;
+update like one rank (ZeRO 2, two micro-batches each: what a learner group on one node would be
+checked for, here across nodes); EnvRunners spread over both nodes play their groups and write every step;
 a node killed under a running vLLM replica leaves none of its engine processes behind."""
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def test_ranks_on_two_nodes_update_like_one(multinode):
     # machine at rel_l2 0.00102, off_frac 5e-6). A rank's share of the batch missing would
     # flip the sign of many elements' gradients, not a handful.
     assert out["off_frac"] < 1e-4 and out["rel_l2"] < 1e-2, out
+    one, two = out["metrics"]["1"], out["metrics"]["2"]
+    assert one["loss"] == pytest.approx(two["loss"], rel=1e-5) and one["tokens"] == two["tokens"]
+    assert two["rows"] == out["rows"]  # the ranks' shares add up to the batch
 
 
 def test_two_runners_spread_over_two_nodes_play_and_write_their_groups(multinode):

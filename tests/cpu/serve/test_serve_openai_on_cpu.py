@@ -126,6 +126,8 @@ def test_streaming_sends_tokens_usage_chunk_and_done(served, tiny_tokenizer):
     rec = served.records(session_id="stream-1")[0]
     assert tiny_tokenizer.decode(rec.response_ids, skip_special_tokens=True) == text
     assert len(rec.response_ids) == 24 == len(rec.response_logprobs)
+    # every chunk names the policy version that answered, the usage chunk too (as OpenAI's)
+    assert {c["system_fingerprint"] for c in chunks} == {f"clawray-policy-v{rec.policy_version}"}
 
 
 def test_sdk_streaming_with_usage(client, served):

@@ -45,7 +45,7 @@ def test_rlanything_mode_runs_every_phase_on_one_batch_and_trains_the_policy(rla
     trainer = Trainer(config=rla_cfg.to_dict())
     try:
         v0 = trainer.version
-        results = [trainer.train() for _ in range(3)]
+        results = [trainer.train() for _ in range(2)]  # the second: from the first's state
         last = results[-1]
         for r in results:
             assert r["rla_tasks"] >= 2 and r["rla_episodes"] == 4 * r["rla_tasks"]
@@ -61,13 +61,13 @@ def test_rlanything_mode_runs_every_phase_on_one_batch_and_trains_the_policy(rla
             assert r["rla_success"] == 0.5 and r["rla_steps"] == r["rla_episodes"]
             assert r["rla_policy_rows"] == r["samples"] == r["rla_episodes"]
             assert r["optimizer_steps"] == 1
-        assert [r["policy_version"] for r in results] == [v0 + 1, v0 + 2, v0 + 3]
+        assert [r["policy_version"] for r in results] == [v0 + 1, v0 + 2]
         status = trainer.publisher.status()
         assert status["version"] == last["policy_version"]
         # every live replica serving the policy runs that version (not just the published one)
         running = [r["version"] for r in status["replicas"].values() if r["live"] and r["weights"]]
         assert running and set(running) == {status["version"]}, status
-        assert len(last["env_adapter"]["slot_depth"]) == 2 and last["env_adapter"]["step"] == 3
+        assert len(last["env_adapter"]["slot_depth"]) == 2 and last["env_adapter"]["step"] == 2
         line = json.loads(trainer.metrics_path.read_text().splitlines()[-1])
         assert "rla_success" in line and "rm_step_acc" in line
         trainer.save_checkpoint(str(tmp_path / "ckpt"))

@@ -107,6 +107,8 @@ async def test_the_stream_adds_up_to_the_whole_answer(svc):
         # equal up to float noise: the two runs batch the prompts' decode steps differently
         assert lps[c["index"]] == pytest.approx(c["logprobs"]["token_logprobs"], abs=1e-4)
     assert usage["completion_tokens"] == whole["usage"]["completion_tokens"]
+    # every chunk names the policy version, the usage chunk too (as OpenAI's)
+    assert {c["system_fingerprint"] for c in chunks} == {whole["system_fingerprint"]}
 
 
 @pytest.mark.parametrize("body, param", [

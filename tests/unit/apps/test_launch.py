@@ -1,0 +1,53 @@
+"""``init_local_ray``: a cluster of the caller's own, started again when Ray's node times out
+during start-up (ray-project/ray#65983), and no other error hidden."""
+
+from __future__ import annotations
+
+import pytest
+
+from clawray.apps import launch
+
+TIMEOUT = Exception("The current node timed out during startup. This could happen because "
+                    "some of the raylet failed to startup or the GCS has become overloaded.")
+
+
+class FakeRay:
+    def __init__(self, errors: list[Exception | None]) -> None:
+        self.errors = errors
+        self.inits: list[dict] = []
+        self.shutdowns = 0
+
+    def init(self, **kwargs) -> None:
+        self.inits.append(kwargs)
+        error = self.errors.pop(0)
+        if error is not None:
+            raise error
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+def test_a_node_that_timed_out_is_shut_down_and_started_again(monkeypatch, caplog):
+    fake = FakeRay([TIMEOUT, None])
+    monkeypatch.setattr(launch, "ray", fake)
+    launch.init_local_ray(num_cpus=4, include_dashboard=False)
+    # always a local cluster of its own, with the caller's settings, each time
+    assert fake.inits == [{"address": "local", "num_cpus": 4, "include_dashboard": False}] * 2
+    assert fake.shutdowns == 1
+    assert "timed out during start-up (attempt 1 of 3)" in caplog.text
+
+
+def test_it_gives_up_after_its_attempts_with_rays_own_error(monkeypatch):
+    fake = FakeRay([TIMEOUT, TIMEOUT])
+    monkeypatch.setattr(launch, "ray", fake)
+    with pytest.raises(Exception, match="timed out during startup"):
+        launch.init_local_ray(attempts=2)
+    assert len(fake.inits) == 2 and fake.shutdowns == 1
+
+
+def test_any_other_error_is_raised_at_once(monkeypatch):
+    fake = FakeRay([ValueError("When connecting to an existing cluster, num_cpus ..."), None])
+    monkeypatch.setattr(launch, "ray", fake)
+    with pytest.raises(ValueError, match="num_cpus"):
+        launch.init_local_ray(num_cpus=2)
+    assert len(fake.inits) == 1 and fake.shutdowns == 0

@@ -68,8 +68,15 @@ class SampleBuffer:
         self._m_consumed = _metric("Counter", "clawray_samples_consumed", "Rows taken", name)
         self._m_queue = _metric("Gauge", "clawray_buffer_queue_rows",
                                 "Rows waiting to be taken (memory and disk)", name)
+        self._m_leased = _metric("Gauge", "clawray_buffer_leased_rows",
+                                 "Rows taken by a trainer and not yet acknowledged", name)
         self._m_dups = _metric("Counter", "clawray_buffer_duplicates",
                                "Rows dropped as duplicates of a sample_id", name)
+
+    def _gauge_rows(self) -> None:
+        """The row gauges: waiting to be taken, and taken but not yet acknowledged."""
+        self._m_queue.set(self._core.available())
+        self._m_leased.set(self._core.leased_rows())
 
     def _start(self) -> None:
         """Create the loop-bound parts on first use (the event loop runs the methods)."""
@@ -94,7 +101,7 @@ class SampleBuffer:
             if self._core.should_seal():
                 await self._seal_now()
             if self._core.expire():  # a taker died with its lease: the rows are back
-                self._m_queue.set(self._core.available())
+                self._gauge_rows()
                 async with self._changed:
                     self._changed.notify_all()
 
@@ -117,7 +124,7 @@ class SampleBuffer:
             if not fut.done():
                 fut.set_result(job.seq)
             self._m_sealed.inc(job.batch.num_rows)
-            self._m_queue.set(self._core.available())
+            self._gauge_rows()
             async with self._changed:
                 self._changed.notify_all()
             return job.seq
@@ -157,7 +164,7 @@ class SampleBuffer:
             if slices:
                 await asyncio.to_thread(self._core.save_checkpoint)
                 self._m_consumed.inc(n)
-                self._m_queue.set(self._core.available())
+                self._gauge_rows()
                 return slices
             if left <= 0:
                 return []
@@ -172,6 +179,7 @@ class SampleBuffer:
         self._start()
         rows = self._core.ack(list(leases), checkpoint=False)
         await asyncio.to_thread(self._core.save_checkpoint)
+        self._gauge_rows()
         return rows
 
     async def ack_rows(self, lease: int, trained: Sequence[bool]) -> tuple[int, int]:
@@ -180,6 +188,7 @@ class SampleBuffer:
         self._start()
         out = self._core.ack_rows(lease, list(trained), checkpoint=False)
         await asyncio.to_thread(self._core.save_checkpoint)
+        self._gauge_rows()
         if out[1]:
             async with self._changed:
                 self._changed.notify_all()
@@ -189,6 +198,7 @@ class SampleBuffer:
         """Rows of ``leases`` given back untrained: delivered again at once."""
         self._start()
         rows = self._core.release(list(leases))
+        self._gauge_rows()
         if rows:
             async with self._changed:
                 self._changed.notify_all()
@@ -212,7 +222,7 @@ class SampleBuffer:
         self._start()
         async with self._seal_lock:
             out = self._core.forget(policy_user)
-        self._m_queue.set(self._core.available())
+        self._gauge_rows()
         return out
 
     async def ping(self) -> str:

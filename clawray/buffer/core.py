@@ -772,6 +772,10 @@ class SampleBufferCore:
         return deleted
 
     # ---------------------------------------------------------------- introspection
+    def leased_rows(self) -> int:
+        """Rows taken and not yet acknowledged, released or expired."""
+        return sum(len(r) for lease in self._leases.values() for _, r in lease.rows)
+
     def stats(self) -> dict[str, Any]:
         return {
             **self.counters,
@@ -779,7 +783,7 @@ class SampleBufferCore:
             "queued_rows": sum(q.num_rows - q.offset for q in self._queue),
             "held_rows": self._held_rows(),
             "on_disk_rows": sum(d.pending for d in self._disk),
-            "leased_rows": sum(len(r) for lease in self._leases.values() for _, r in lease.rows),
+            "leased_rows": self.leased_rows(),
             "leases": len(self._leases),
             "open_rows": self._open_rows,
             "available": self.available(),

@@ -178,7 +178,8 @@ class SessionHub:
                 await self._write(force=False)
                 if self.journal is not None:
                     self.journal.sync()
-                self._metrics.update(self.core.counters, self.pool, len(self.outbox))
+                self._metrics.update(self.core.counters, self.pool, len(self.outbox),
+                                    len(self.core.sessions))
             except Exception:
                 logger.exception("session hub %d tick failed", self.shard)
 
@@ -229,6 +230,9 @@ class _HubMetrics:
         self.votes = metrics.Counter("clawray_judge_calls_total",
                                      description="Judge calls and their outcomes.",
                                      tag_keys=("shard", "event"))
+        self.open = metrics.Gauge("clawray_sessions_open",
+                                  description="Sessions open (a turn awaits its next state or "
+                                  "the session its end).", tag_keys=("shard",))
         self.outbox = metrics.Gauge("clawray_session_outbox_rows",
                                     description="Sample rows waiting for the buffer.",
                                     tag_keys=("shard",))
@@ -242,7 +246,8 @@ class _HubMetrics:
         self.shard = str(shard)
         self.seen: dict[str, int] = {}
 
-    def update(self, counters: dict[str, int], pool: VoterPool, outbox: int) -> None:
+    def update(self, counters: dict[str, int], pool: VoterPool, outbox: int,
+               sessions_open: int) -> None:
         for source, metric in ((counters, self.events), (pool.counters, self.votes)):
             for name, value in source.items():
                 key = f"{id(metric)}:{name}"
@@ -251,6 +256,7 @@ class _HubMetrics:
                     metric.inc(delta, tags={"shard": self.shard, "event": name})
                 self.seen[key] = value
         self.outbox.set(outbox, tags={"shard": self.shard})
+        self.open.set(sessions_open, tags={"shard": self.shard})
         for state, value in pool.load().items():
             self.backlog.set(value, tags={"shard": self.shard, "state": state})
         for value in pool.latencies:

@@ -68,7 +68,8 @@ class _Gauges:
     def __init__(self, app: str) -> None:
         self.app = app
         self.gauges = {k: Gauge(f"clawray_train_{k}", description=f"training: {k}",
-                                tag_keys=("app",)) for k in (*LOGGED, "policy_version", "samples")}
+                                tag_keys=("app",))
+                       for k in (*LOGGED, "policy_version", "samples", "sync_seconds")}
 
     def set(self, result: dict[str, Any]) -> None:
         for key, gauge in self.gauges.items():

@@ -33,9 +33,6 @@ BUILDS = {"rla": Build("test_rlanything_notebook", RLA_WARM_STARTS_CMD),
           "floors": Build("test_warm_start_floors_on_cpu", FLOORS_CMD, into_session_dir=True)}
 FLOORS_DIR = pytest.StashKey[str]()
 
-# The live learning test measures how much a live loop learns in 40 steps; it runs alone,
-# before the background builds start (a busy CPU changes which turns form each batch).
-QUIET_TESTS = ("test_demo_learning_on_cpu.py",)
 BUILDS_WANTED = pytest.StashKey[list]()
 BUILDS_STARTED = pytest.StashKey[bool]()
 
@@ -58,9 +55,9 @@ def pytest_collection_modifyitems(session, config, items):
 
 def pytest_collection_finish(session):
     """Builds of ``BUILDS`` whose test is among the collected ones start in the background
-    from the first test that is not a quiet one (``QUIET_TESTS``) on, under Linux's idle
-    scheduling class (``SCHED_IDLE``): they run on CPU no test wants and never slow one. Each
-    test waits for its build (``wait_build``); those tests run last.
+    from the first test on, under Linux's idle scheduling class (``SCHED_IDLE``): they run on
+    CPU no test wants and never slow one. Each test waits for its build (``wait_build``); those
+    tests run last.
 
     Not ``nice 19``, as before: the suite keeps both cores busy (measured: 0.1 % idle over
     30 s mid-suite), and Ray starts its workers at nice 15 (``RAY_worker_niceness``), so a
@@ -90,8 +87,6 @@ def _idle_priority() -> None:
 def pytest_runtest_setup(item):
     config = item.config
     if config.stash.get(BUILDS_STARTED, False) or not config.stash.get(BUILDS_WANTED, []):
-        return
-    if any(q in item.nodeid for q in QUIET_TESTS):
         return
     config.stash[BUILDS_STARTED] = True
     _start_chain(config, config.stash[BUILDS_WANTED])

@@ -114,9 +114,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from clawray.apps.demo import run_demo_seeds
 
         return run_demo_seeds(cfg, Path(args.out), args.seeds, iterations=args.iterations,
-                              users=args.users, judge=args.judge)
+                              users=args.users, judge=args.judge, lockstep=args.lockstep)
     return run_demo(cfg, Path(args.out), iterations=args.iterations, users=args.users,
-                    seed=args.seed, judge=args.judge)
+                    seed=args.seed, judge=args.judge, lockstep=args.lockstep)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -597,6 +597,10 @@ def main(argv: list[str] | None = None) -> int:
                            "(clawray judge-sft: built once, ~25 min on 2 cores, then cached) "
                            "on a JudgeServer; heuristic: the keyword rule judge, the users then "
                            "speak its keywords (the loop's mechanics, no build)")
+            p.add_argument("--lockstep", action="store_true",
+                           help="the users play one session each, the trainer trains on "
+                           "exactly those turns, and again: a run repeatable for its seed "
+                           "(the live default chats while training runs)")
             p.add_argument("--seeds", type=int, nargs="+",
                            help="one run per seed (OUT/seed<k>, fresh weights each), then "
                                 "their mean ± standard error (OUT/demo_seeds.json, .png)")

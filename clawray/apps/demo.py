@@ -119,8 +119,11 @@ def with_judge(cfg: ClawRayConfig, judge: str, log: Any = print) -> ClawRayConfi
 
 
 class UserPool:
-    """Simulated users chatting in a background thread until ``stop()``: user ``i`` holds
-    ``members[i]`` = (API key, preference) and draws from ``random.Random(f"{seed}/{i}")``."""
+    """Simulated users: user ``i`` holds ``members[i]`` = (API key, preference) and draws from
+    ``random.Random(f"{seed}/{i}")``. Either they chat in a background thread until ``stop()``
+    (``start()``: the live setting, training beside them), or each ``play_round()`` plays one
+    session per user and returns when all are done (lockstep: what the users do no longer
+    depends on how fast training runs)."""
 
     def __init__(self, base_url: str, model: str, members: list[tuple[str, Any]], seed: int,
                  log_path: Path, type_weights: dict[str, float] | None = None) -> None:
@@ -129,39 +132,67 @@ class UserPool:
         self.interactions: list[Any] = []
         self._log = log_path.open("w")
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True,
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="sim-users")
-
-    def start(self) -> "UserPool":
-        self._thread.start()
-        return self
+        self._users: list[SimUser] = []
+        self._clients: dict[str, Any] = {}
+        self._running: Any = None  # the background chat (start()), a concurrent future
 
     def _record(self, rec: Any) -> None:
         self.interactions.append(rec)
         self._log.write(json.dumps(dataclasses.asdict(rec)) + "\n")
 
-    async def _run(self) -> None:
-        clients = {key: make_client(self.base_url, key, timeout_s=120,
-                                    concurrency=len(self.members))
-                   for key in dict.fromkeys(k for k, _ in self.members)}
-        users = [SimUser(i, clients[key], self.model, pref, random.Random(f"{self.seed}/{i}"),
-                         turns_per_session=3, run_tag=f"demo{self.seed}",
-                         on_interaction=self._record, type_weights=self.type_weights)
-                 for i, (key, pref) in enumerate(self.members)]
+    def _call(self, coro: Any) -> Any:
+        """Run ``coro`` on the pool's event loop (its thread started on first use)."""
+        if not self._thread.is_alive():
+            self._thread.start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-        async def drive(user: SimUser) -> None:
-            while not self._stop.is_set():
-                await user.run_session()
+    async def _make_users(self) -> list[SimUser]:
+        if not self._users:
+            self._clients = {key: make_client(self.base_url, key, timeout_s=120,
+                                              concurrency=len(self.members))
+                             for key in dict.fromkeys(k for k, _ in self.members)}
+            self._users = [
+                SimUser(i, self._clients[key], self.model, pref,
+                        random.Random(f"{self.seed}/{i}"), turns_per_session=3,
+                        run_tag=f"demo{self.seed}", on_interaction=self._record,
+                        type_weights=self.type_weights)
+                for i, (key, pref) in enumerate(self.members)]
+        return self._users
 
-        try:
-            await asyncio.gather(*(drive(u) for u in users))
-        finally:
-            for client in clients.values():
-                await client.close()
+    def start(self) -> "UserPool":
+        async def chat() -> None:
+            async def drive(user: SimUser) -> None:
+                while not self._stop.is_set():
+                    await user.run_session()
+
+            await asyncio.gather(*(drive(u) for u in await self._make_users()))
+
+        self._running = self._call(chat())
+        return self
+
+    def play_round(self) -> list[Any]:
+        """One session per user, all at once; their interactions once every one is done."""
+        async def one_round() -> list[Any]:
+            sessions = await asyncio.gather(*(u.run_session() for u in await self._make_users()))
+            return [rec for session in sessions for rec in session]
+
+        return self._call(one_round()).result()
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=180)
+        if self._running is not None:
+            self._running.result(timeout=180)
+        if self._thread.is_alive():
+            async def close() -> None:
+                for client in self._clients.values():
+                    await client.close()
+
+            self._call(close()).result(timeout=30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
         self._log.close()
 
     def rate_by_version(self, users: set[int] | None = None) -> dict[int, tuple[float, int]]:
@@ -178,25 +209,60 @@ class UserPool:
         return sum(rec.error is not None for rec in list(self.interactions))
 
 
+# A session's rows: its three judged turns and the closing one (SimUser.run_session).
+ROWS_PER_SESSION = 4
+
+
+def wait_for_rows(pipeline: Any, n: int, timeout_s: float = 120.0) -> int:
+    """Until the sample buffer holds at least ``n`` rows to take (every hub's judging and
+    writing finished first); how many it holds. A clear error after ``timeout_s``."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pipeline.flush(timeout_s)
+        available = ray.get(pipeline.buffer.stats.remote(), timeout=timeout_s)["available"]
+        if available >= n:
+            return available
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {available} of the round's {n} rows reached the sample "
+                               f"buffer in {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
 def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, out: Path, *,
-                 iterations: int, users: int, eval_n: int, seed: int,
+                 iterations: int, users: int, eval_n: int, seed: int, lockstep: bool = False,
                  log: Any = print) -> dict[str, Any]:
     """Evaluate on the held-out prompt pool, train from simulated live users (who send the
     training pool's requests and react in the wording their judge is meant for: the ``users``
     phrasing with a judge model, the heuristic's keywords with the keyword judge), evaluate
-    again; return the summary."""
+    again; return the summary.
+
+    ``lockstep``: instead of chatting while the trainer runs, the users play one session each,
+    the trainer trains on exactly those rows (one batch) and syncs, and so on. Every request is
+    then served by the version before it and every batch holds the same rows whatever the
+    machine's speed: a run is repeatable for its seed (tests), which the live setting is not
+    (request timing decides which turns form a batch)."""
     phrasing = users_phrasing(cfg)
     started = time.monotonic()
     before = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed, pool=EVAL_POOL))
     log(f"clawray demo: before training, the users' preference is met by {before.rate:.1%} "
         f"of replies ({before.n} held-out evaluation requests, policy "
         f"v{max(before.policy_versions)})")
+    if lockstep:  # a round's rows are one batch
+        cfg = cfg.copy_with(training={"batch_size": users * ROWS_PER_SESSION, "min_batch": 1})
     trainer = Trainer(config=cfg.to_dict())
     pool = UserPool(base_url, model, [(api_key, BriefReplies(phrasing=phrasing))] * users, seed,
-                    out / "interactions.jsonl").start()
+                    out / "interactions.jsonl")
+    pipeline = attach_live_pipeline(cfg, cfg.training_cfg.app) if lockstep else None
+    if not lockstep:
+        pool.start()
     results = []
     try:
         for _ in range(iterations):
+            if pipeline is not None:
+                played = pool.play_round()
+                wait_for_rows(pipeline, sum(rec.response_id is not None for rec in played))
             r = trainer.train()
             results.append(r)
             live = pool.rate_by_version().get(r["policy_version"] - 1)
@@ -216,7 +282,7 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
     log(f"clawray demo: after {iterations} steps, {after.rate:.1%} "
         f"(policy v{max(after.policy_versions)}; before: {before.rate:.1%})")
     summary = {
-        "seed": seed, "iterations": iterations, "users": users,
+        "seed": seed, "iterations": iterations, "users": users, "lockstep": lockstep,
         "train_pool": "train", "eval_pool": EVAL_POOL, "users_phrasing": phrasing,
         "judge": judge_description(cfg),
         "before": {"rate": before.rate, "n": before.n, "per_type": before.per_type,
@@ -264,7 +330,8 @@ def plot_progress(summary: dict[str, Any], path: Path) -> None:
 
 
 def run_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS, users: int = USERS,
-             eval_n: int = EVAL_N, seed: int = SEED, judge: str = JUDGE) -> int:
+             eval_n: int = EVAL_N, seed: int = SEED, judge: str = JUDGE,
+             lockstep: bool = False) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("samples", "checkpoints"):  # a previous run's log would be trained on
         shutil.rmtree(out / stale, ignore_errors=True)
@@ -278,7 +345,8 @@ def run_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS, users:
           f"{users} simulated users want brief replies (at most 8 words) and say so; judge: "
           f"{judge_description(cfg)}")
     summary = run_learning(cfg, base_url, keys[0] if keys else "none", model, out,
-                           iterations=iterations, users=users, eval_n=eval_n, seed=seed)
+                           iterations=iterations, users=users, eval_n=eval_n, seed=seed,
+                           lockstep=lockstep)
     print(f"clawray demo: satisfaction {summary['before']['rate']:.1%} → "
           f"{summary['after']['rate']:.1%} on {summary['after']['n']} held-out evaluation "
           f"requests (prompt pool '{EVAL_POOL}', never sent by the training users); "

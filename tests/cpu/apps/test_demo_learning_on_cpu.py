@@ -7,21 +7,21 @@ heuristic rule judge and users who speak its keywords (``BriefReplies(phrasing="
 this checks the loop's mechanics; what a judge model reading other wording achieves is
 measured by ``clawray judge-sft`` and ``clawray demo --seeds`` (docs/training.md).
 
+Lockstep (``run_learning(lockstep=True)``, ``clawray demo --lockstep``): each iteration the
+eight users play one session each, the trainer trains on exactly those turns and syncs, and
+the next round is served by the new version. What the users send, which rows form a batch and
+which version serves each request no longer depend on the machine's speed, so the outcome is
+repeatable for the seed: two runs here on 2026-12-05, 0.37 -> 0.79 and 0.37 -> 0.80 in
+~107 s each. The live setting (users chatting while the trainer runs, the demo's default) is
+not: request timing decided which samples formed a batch, and its CI runs at seed 0 rose
+0.35 -> 0.84, 0.80, 0.49 and, next to a busy build, 0.38 -> 0.43.
+
 Margin: the evaluation set has 150 requests, so one rate's binomial standard error is at most
 0.041 and a difference of two rates' about 0.058; the test asks for a rise of at least 0.10
-(1.7 of those) from a base rate measured in the same run, so a loop that does not learn
-passes it about 4 % of the time. It asked for 0.15 until a clean-clone CI run at 485d7cd rose only
-0.35 -> 0.49 (live satisfaction reached 88 % at v34 and fell back to 54-60 % by v39); the same
-seed alone on this code, 2026-12-04: 0.35 -> 0.80. Seed 0's measured runs of this test at 150
-requests: 0.35 -> 0.84, 0.80, 0.49 (the learning, not the evaluation, spreads).
-It runs before anything else starts in the background (tests/conftest.py ``QUIET_TESTS``): in
-a clean-clone rehearsal that ran it next to the RLAnything warm-start build, it rose only
-0.38 -> 0.43 (alone: 0.38 -> 0.64 on 100 requests, 0.35 -> 0.84 on 150). Seed 0, 40 iterations (as the demo); ``docs/training.md`` lists the measured runs.
+(1.7 of those) from a base rate measured in the same run.
 Served by the transformers engine: on vLLM (``clawray demo``'s default where it is installed)
-the same test rose 0.29 -> 0.72 at seed 0 but took 163-260 s against ~175 s, and the suite's
-30 minutes do not allow it; tests/cpu/training/test_trainer_on_cpu.py trains into vLLM.
-The live loop is not deterministic (request timing decides which samples form a batch), and
-learning on the tiny model is noisy: with 30 iterations one CI run of five rose by only 0.14.
+the live test rose 0.29 -> 0.72 at seed 0 but took 163-260 s, and the suite's 30 minutes do
+not allow it; tests/cpu/training/test_trainer_on_cpu.py trains into vLLM.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.ray
 APP = "learn"
 MARGIN = 0.10  # see the docstring: 0.15 failed one CI run of a loop that learned
 EVAL_N = 150  # as the demo; one rate's binomial standard error at most 0.041
-ITERATIONS = 40  # as the demo: at 30, one CI run of five rose by only 0.14 (0.33 -> 0.47)
+ITERATIONS = 40  # as the demo
 ENGINE = "hf"
 
 
@@ -53,6 +53,7 @@ def test_live_users_satisfaction_rises_with_training(served, tmp_path):
     try:
         summary = run_learning(cfg, f"http://127.0.0.1:{port}/{APP}/v1", API_KEY, served.model,
                                tmp_path, iterations=ITERATIONS, users=8, eval_n=EVAL_N, seed=0,
+                               lockstep=True,
                                log=lines.append)
     finally:
         serve.delete(APP)

@@ -323,6 +323,12 @@ class JudgeConfig(_Section):
     hint_max_chars: int = Field(600, ge=1)
     hint_min_chars: int = Field(
         8, ge=1, description="Shorter hints are dropped ('ok', 'n/a': no instruction).")
+    control: Literal["none", "shuffled_feedback", "reply_hidden"] = Field(
+        "none", description="A control arm for a learning claim (docs/training.md, 'Controls'): "
+        "'shuffled_feedback' judges each turn with the next state of an earlier turn of any "
+        "session (what the user said no longer belongs to the reply: must not learn); "
+        "'reply_hidden' shows the judge no reply (only the user's words can carry the "
+        "signal).")
     teacher: Literal["judge", "server"] = Field(
         "judge",
         description=(

@@ -8,8 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from clawray.ledger import LEDGER_ENV
 from tests.support.common import REPO, RLA_NOTEBOOK_SCALE, Served, die_with_parent
 from tests.support.serving import serve_app
+
+# Tests evaluate on held-out pools too: their ledger lines go to a file of the session's own
+# (inherited by the processes tests start), never to docs/results/ledger.jsonl.
+os.environ[LEDGER_ENV] = os.path.join(
+    __import__("tempfile").mkdtemp(prefix="clawray-ledger-"), "ledger.jsonl")
 
 RLA_WARM_STARTS_CMD = ["-m", "clawray.apps.cli", "rla-table", "--scale", RLA_NOTEBOOK_SCALE,
                        "--warm-starts-only"]

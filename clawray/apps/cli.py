@@ -114,9 +114,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from clawray.apps.demo import run_demo_seeds
 
         return run_demo_seeds(cfg, Path(args.out), args.seeds, iterations=args.iterations,
-                              users=args.users, judge=args.judge, lockstep=args.lockstep)
+                              users=args.users, judge=args.judge, lockstep=args.lockstep,
+                              controls=tuple(args.controls))
+    if len(args.controls) > 1:
+        raise SystemExit("clawray demo: --controls with more than one arm needs --seeds")
     return run_demo(cfg, Path(args.out), iterations=args.iterations, users=args.users,
-                    seed=args.seed, judge=args.judge, lockstep=args.lockstep)
+                    seed=args.seed, judge=args.judge, lockstep=args.lockstep,
+                    control=args.controls[0])
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -195,9 +199,12 @@ def _print_judge_build(result: Any) -> None:
               f"{row['judge']['n']} examples): "
               + "; ".join(f"{who} {line(row[who])}" for who in ("heuristic", "base", "judge")
                           if who in row))
-        for part in ("familiar", "novel"):
-            if part in row["judge"]:
-                print(f"clawray judge-sft:   {part} reactions: judge {line(row['judge'][part])}")
+        for who, m in row["judge"].get("by_preference", {}).items():
+            print(f"clawray judge-sft:   users who want {who} replies: judge {line(m)}")
+        rules = row.get("reply_rules", {})
+        if rules:
+            print("clawray judge-sft:   rules that read only the reply: " + "; ".join(
+                f"{name} ±1 balanced acc {m['balanced_acc_pm']:.3f}" for name, m in rules.items()))
     print(f"clawray judge-sft: use it with judge.backend: server, judge.model_path: {result.path}")
 
 
@@ -340,6 +347,20 @@ def join_cluster(address: str) -> None:
                           "(serve run deployments/local.yaml)") from None
 
 
+def cmd_ledger(args: argparse.Namespace) -> int:
+    """The ledger's figures: per experiment, arm and metric the first run of each seed."""
+    from clawray import ledger
+
+    path = Path(args.path).expanduser() if args.path else ledger.ledger_path()
+    lines = ledger.read(path)
+    if not lines:
+        raise ConfigError(f"the ledger {path} holds no evaluation yet")
+    print(f"{path}: {len(lines)} evaluations; pool {args.pool}, each seed's first run "
+          "(later runs counted, never averaged in)")
+    print(ledger.table(lines, args.pool))
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """The running app on one screen (clawray/apps/status.py); ``--json`` for scripts."""
     from clawray.apps.status import NoApp, gather, render
@@ -474,6 +495,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-c", "--config", help="clawray YAML")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.set_defaults(fn=cmd_users)
+    p = sub.add_parser("ledger", help="every held-out evaluation the tools recorded "
+                       "(docs/results/ledger.jsonl): each seed's first run per experiment, arm "
+                       "and metric, mean ± s.e., later runs counted")
+    p.add_argument("--pool", default="test", choices=("test", "validation"))
+    p.add_argument("--path", help="the ledger file (default: $CLAWRAY_LEDGER, else the "
+                   "checkout's docs/results/ledger.jsonl)")
+    p.set_defaults(fn=cmd_ledger)
     p = sub.add_parser("status", help="a running app on one screen: replicas, engine, "
                        "policy versions, sessions, judge backlog, buffer, gate")
     p.add_argument("--app", default="clawray", help="the running app's name")
@@ -587,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
                            help="override one of the demo's settings, e.g. training.lr=1e-4 "
                                 "(repeatable)")
         if name == "demo":
-            from clawray.apps.demo import ITERATIONS, JUDGE, SEED, USERS
+            from clawray.apps.demo import CONTROLS as DEMO_CONTROLS, ITERATIONS, JUDGE, SEED, USERS
 
             p.add_argument("--iterations", type=int, default=ITERATIONS)
             p.add_argument("--users", type=int, default=USERS)
@@ -601,6 +629,12 @@ def main(argv: list[str] | None = None) -> int:
                            help="the users play one session each, the trainer trains on "
                            "exactly those turns, and again: a run repeatable for its seed "
                            "(the live default chats while training runs)")
+            p.add_argument("--controls", nargs="+", default=["none"], choices=DEMO_CONTROLS,
+                           help="the arms to run: none (trained), shuffled_feedback (the "
+                           "judge reads another turn's next state), reply_hidden (the judge "
+                           "sees no reply), no_training (--lockstep: the rounds, no updates); "
+                           "with --seeds each arm runs every seed and OUT/demo_arms.json "
+                           "compares them")
             p.add_argument("--seeds", type=int, nargs="+",
                            help="one run per seed (OUT/seed<k>, fresh weights each), then "
                                 "their mean ± standard error (OUT/demo_seeds.json, .png)")

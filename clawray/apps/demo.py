@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from clawray import ledger
 from clawray.apps.launch import start_serving
 from clawray.config import ClawRayConfig
 from clawray.models.loader import policy_model_info
@@ -230,9 +231,18 @@ def wait_for_rows(pipeline: Any, n: int, timeout_s: float = 120.0) -> int:
         time.sleep(0.1)
 
 
+CONTROLS = ("none", "shuffled_feedback", "reply_hidden", "no_training")
+
+
+def demo_arm(cfg: ClawRayConfig, control: str) -> str:
+    """The demo's arm on the ledger: which judge, which control."""
+    judge = "keyword-judge" if cfg.judge_cfg.backend == "function" else "judge-model"
+    return f"{judge}/{control}"
+
+
 def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, out: Path, *,
                  iterations: int, users: int, eval_n: int, seed: int, lockstep: bool = False,
-                 log: Any = print) -> dict[str, Any]:
+                 control: str = "none", log: Any = print) -> dict[str, Any]:
     """Evaluate on the held-out prompt pool, train from simulated live users (who send the
     training pool's requests and react in the wording their judge is meant for: the ``users``
     phrasing with a judge model, the heuristic's keywords with the keyword judge), evaluate
@@ -242,7 +252,20 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
     the trainer trains on exactly those rows (one batch) and syncs, and so on. Every request is
     then served by the version before it and every batch holds the same rows whatever the
     machine's speed: a run is repeatable for its seed (tests), which the live setting is not
-    (request timing decides which turns form a batch)."""
+    (request timing decides which turns form a batch).
+
+    ``control`` (``CONTROLS``; docs/training.md, "Controls"): ``shuffled_feedback`` and
+    ``reply_hidden`` are the judge's (``judge.control``); ``no_training`` plays the same rounds
+    and never trains (lockstep only): the drift of the evaluation without learning.
+
+    The before and after rates on the held-out pool go to the ledger (``clawray.ledger``)."""
+    if control not in CONTROLS:
+        raise ValueError(f"unknown control {control!r}; known: {', '.join(CONTROLS)}")
+    if control == "no_training" and not lockstep:
+        raise ValueError("control 'no_training' needs lockstep (the rounds it plays are the "
+                         "trained arm's)")
+    if control in ("shuffled_feedback", "reply_hidden"):
+        cfg = cfg.copy_with(judge={"control": control})
     phrasing = users_phrasing(cfg)
     started = time.monotonic()
     before = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed, pool=EVAL_POOL))
@@ -263,6 +286,8 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
             if pipeline is not None:
                 played = pool.play_round()
                 wait_for_rows(pipeline, sum(rec.response_id is not None for rec in played))
+            if control == "no_training":
+                continue
             r = trainer.train()
             results.append(r)
             live = pool.rate_by_version().get(r["policy_version"] - 1)
@@ -281,8 +306,15 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
     after = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed, pool=EVAL_POOL))
     log(f"clawray demo: after {iterations} steps, {after.rate:.1%} "
         f"(policy v{max(after.policy_versions)}; before: {before.rate:.1%})")
+    experiment, arm = ("demo-lockstep" if lockstep else "demo-live"), demo_arm(cfg, control)
+    for metric, value in (("satisfaction_before", before.rate), ("satisfaction_after",
+                                                                 after.rate),
+                          ("satisfaction_change", after.rate - before.rate)):
+        ledger.record(experiment, arm, seed, EVAL_POOL, metric, value, n=after.n,
+                      iterations=iterations)
     summary = {
         "seed": seed, "iterations": iterations, "users": users, "lockstep": lockstep,
+        "control": control, "experiment": experiment, "arm": arm,
         "train_pool": "train", "eval_pool": EVAL_POOL, "users_phrasing": phrasing,
         "judge": judge_description(cfg),
         "before": {"rate": before.rate, "n": before.n, "per_type": before.per_type,
@@ -331,7 +363,7 @@ def plot_progress(summary: dict[str, Any], path: Path) -> None:
 
 def run_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS, users: int = USERS,
              eval_n: int = EVAL_N, seed: int = SEED, judge: str = JUDGE,
-             lockstep: bool = False) -> int:
+             lockstep: bool = False, control: str = "none") -> int:
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("samples", "checkpoints"):  # a previous run's log would be trained on
         shutil.rmtree(out / stale, ignore_errors=True)
@@ -346,12 +378,14 @@ def run_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS, users:
           f"{judge_description(cfg)}")
     summary = run_learning(cfg, base_url, keys[0] if keys else "none", model, out,
                            iterations=iterations, users=users, eval_n=eval_n, seed=seed,
-                           lockstep=lockstep)
+                           lockstep=lockstep, control=control)
     print(f"clawray demo: satisfaction {summary['before']['rate']:.1%} → "
           f"{summary['after']['rate']:.1%} on {summary['after']['n']} held-out evaluation "
           f"requests (prompt pool '{EVAL_POOL}', never sent by the training users); "
           f"plot {out / 'progress.png'}, summary {out / 'summary.json'} "
           f"({time.monotonic() - t0:.0f} s in all)")
+    if control != "none":  # a control is run to show what does not learn
+        return 0 if not summary["user_errors"] else 1
     ok = summary["after"]["rate"] > summary["before"]["rate"] and not summary["user_errors"]
     return 0 if ok else 1
 
@@ -397,24 +431,94 @@ def plot_demo_seeds(agg: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def run_demo_seeds(cfg: ClawRayConfig, out: Path, seeds: list[int], **kwargs: Any) -> int:
+def compare_arms(aggs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The trained arm (``none``) against each control on the seeds both ran: per seed the
+    difference of their rises, its mean and standard error, and a paired t-test
+    (``scipy.stats.ttest_rel``; None under two seeds). "shown" only where p < 0.05 and the
+    trained arm rose more."""
+    from scipy import stats
+
+    out: dict[str, Any] = {}
+    if "none" not in aggs:
+        return out
+    trained = {p["seed"]: p["rise"] for p in aggs["none"]["seeds"]}
+    for control, agg in aggs.items():
+        if control == "none":
+            continue
+        other = {p["seed"]: p["rise"] for p in agg["seeds"]}
+        seeds = sorted(set(trained) & set(other))
+        diffs = [trained[k] - other[k] for k in seeds]
+        p_value = (float(stats.ttest_rel([trained[k] for k in seeds],
+                                         [other[k] for k in seeds]).pvalue)
+                   if len(seeds) >= 2 and len(set(diffs)) > 1 else None)
+        out[control] = {"seeds": seeds, "difference": seed_stats(diffs) if diffs else None,
+                        "p_value": p_value,
+                        "shown": bool(p_value is not None and p_value < 0.05
+                                      and sum(diffs) > 0)}
+    return out
+
+
+def plot_arms(aggs: dict[str, dict[str, Any]], path: Path) -> None:
+    """Each arm's rise on the held-out pool: the seeds as dots, mean ± s.e. as a bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(aggs), 4))
+    for i, (control, agg) in enumerate(aggs.items()):
+        rise = agg["rise"]
+        ax.bar(i, rise["mean"], yerr=rise["stderr"] or 0, capsize=5, alpha=0.5,
+               color="tab:green" if control == "none" else "tab:grey")
+        ax.plot([i] * len(agg["seeds"]), [p["rise"] for p in agg["seeds"]], "o", color="black",
+                ms=4)
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set(xticks=range(len(aggs)), xticklabels=["trained" if c == "none" else c.replace("_", " ")
+                                                 for c in aggs],
+           ylabel="held-out satisfaction: after − before",
+           title=f"make demo arms, {max(a['runs'] for a in aggs.values())} seeds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_demo_seeds(cfg: ClawRayConfig, out: Path, seeds: list[int],
+                   controls: tuple[str, ...] = ("none",), **kwargs: Any) -> int:
     """``run_demo`` once per seed (``out/seed<k>``, each on a fresh local Ray cluster: fresh
     weights), then ``demo_seeds.json`` and ``demo_seeds.png`` in ``out``; 0 if the held-out
-    rate rose in every seed."""
+    rate rose in every seed. With controls (``CONTROLS``) each arm runs every seed
+    (``out/<control>/seed<k>``) and ``demo_arms.json`` / ``demo_arms.png`` compare them
+    (``compare_arms``); 0 if the trained arm's rise over the controls is shown."""
     import ray
 
-    summaries = []
-    for seed in seeds:
-        try:
-            run_demo(cfg, out / f"seed{seed}", seed=seed, **kwargs)
-        finally:
-            ray.shutdown()
-        summaries.append(json.loads((out / f"seed{seed}" / "summary.json").read_text()))
-    agg = aggregate_demo_seeds(summaries)
-    (out / "demo_seeds.json").write_text(json.dumps(agg, indent=2))
-    plot_demo_seeds(agg, out / "demo_seeds.png")
-    b, a, r = agg["before"], agg["after"], agg["rise"]
-    print(f"clawray demo: {agg['runs']} seeds on the held-out pool: {b['mean']:.1%} → "
-          f"{a['mean']:.1%}, rise {r['mean']:+.1%} ± {r['stderr'] or 0:.1%} (s.e.), rose in "
-          f"{agg['rose_in']} of {agg['runs']}; {out / 'demo_seeds.png'}")
-    return 0 if agg["rose_in"] == agg["runs"] else 1
+    aggs = {}
+    for control in controls:
+        where = out / control if len(controls) > 1 else out
+        summaries = []
+        for seed in seeds:
+            try:
+                run_demo(cfg, where / f"seed{seed}", seed=seed, control=control, **kwargs)
+            finally:
+                ray.shutdown()
+            summaries.append(json.loads((where / f"seed{seed}" / "summary.json").read_text()))
+        agg = aggs[control] = aggregate_demo_seeds(summaries)
+        (where / "demo_seeds.json").write_text(json.dumps(agg, indent=2))
+        plot_demo_seeds(agg, where / "demo_seeds.png")
+        b, a, r = agg["before"], agg["after"], agg["rise"]
+        print(f"clawray demo [{control}]: {agg['runs']} seeds on the held-out pool: "
+              f"{b['mean']:.1%} → {a['mean']:.1%}, rise {r['mean']:+.1%} ± "
+              f"{r['stderr'] or 0:.1%} (s.e.), rose in {agg['rose_in']} of {agg['runs']}; "
+              f"{where / 'demo_seeds.png'}")
+    if len(controls) == 1:
+        return 0 if aggs[controls[0]]["rose_in"] == aggs[controls[0]]["runs"] else 1
+    compared = compare_arms(aggs)
+    (out / "demo_arms.json").write_text(json.dumps({"arms": aggs, "compared": compared},
+                                                   indent=2))
+    plot_arms(aggs, out / "demo_arms.png")
+    for control, c in compared.items():
+        d = c["difference"]
+        p = "n/a" if c["p_value"] is None else f"{c['p_value']:.3f}"
+        print(f"clawray demo: trained − {control}: {d['mean']:+.1%} ± {d['stderr'] or 0:.1%} "
+              f"over seeds {c['seeds']} (paired t-test p = {p}): "
+              f"{'shown' if c['shown'] else 'NOT shown'}")
+    return 0 if compared and all(c["shown"] for c in compared.values()) else 1

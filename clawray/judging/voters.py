@@ -12,8 +12,10 @@ never lost, never blocking serving — and is counted in the metrics.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
+import random
 import time
 from typing import Any
 
@@ -29,6 +31,8 @@ from clawray.judging.parse import parse_hint_vote, parse_vote
 from clawray.judging.prompts import JudgeRequest, TurnContext, build_judge_request
 
 logger = logging.getLogger(__name__)
+SHUFFLE_POOL = 64  # judge.control 'shuffled_feedback' draws from this many earlier turns
+HIDDEN_REPLY = "[reply hidden]"  # judge.control 'reply_hidden'
 
 
 @ray.remote(num_cpus=0)
@@ -69,6 +73,10 @@ class VoterPool:
                                         "shed")}
         self.latencies: list[float] = []  # judge latencies (s) not yet exported as metrics
         self.admission = Admission(cfg.max_inflight, cfg.backlog_order, cfg.max_backlog)
+        # judge.control 'shuffled_feedback': the next states of the last turns judged here
+        self._earlier: collections.deque[list[dict[str, Any]]] = collections.deque(
+            maxlen=SHUFFLE_POOL)
+        self._shuffle_rng = random.Random(0)
 
     def load(self) -> dict[str, int]:
         """Turns being judged now (``running``) and waiting for a slot (``waiting``)."""
@@ -86,10 +94,22 @@ class VoterPool:
         finally:
             self.admission.release()
 
+    def context(self, job: JudgeJob) -> TurnContext:
+        """What the judge reads of ``job``'s turn: all of it, or under ``judge.control`` the
+        reply hidden, or the next state of an earlier turn in place of the turn's own (the
+        first turn judged gets an empty one: nothing said)."""
+        reply, calls, next_state = job.record.response_text, job.record.tool_calls, job.next_state
+        if self.cfg.control == "reply_hidden":
+            reply, calls = HIDDEN_REPLY, []
+        elif self.cfg.control == "shuffled_feedback":
+            earlier = self._shuffle_rng.choice(self._earlier) if self._earlier else []
+            self._earlier.append(next_state)
+            next_state = earlier
+        return TurnContext(history=job.history, request=job.request, response_text=reply,
+                           response_tool_calls=calls, next_state=next_state)
+
     async def _judge(self, job: JudgeJob) -> Verdict:
-        ctx = TurnContext(history=job.history, request=job.request,
-                          response_text=job.record.response_text,
-                          response_tool_calls=job.record.tool_calls, next_state=job.next_state)
+        ctx = self.context(job)
         start = time.monotonic()
         texts, error = await self._call("complete", build_judge_request("prm", ctx),
                                         self.cfg.m, self.cfg.temperature, self.cfg.max_tokens)

@@ -21,7 +21,8 @@ PACKAGE = REPO / "clawray"
 
 # lowest first; a part may import from its own layer and below
 LAYERS: list[tuple[str, ...]] = [
-    ("clawray", "config", "samples", "records", "files", "stats", "names"),  # data contracts
+    ("clawray", "config", "samples", "records", "files", "stats", "names", "ledger"),
+    # ^ data contracts
     ("models",),
     ("inference",),
     ("weights",),
@@ -43,7 +44,7 @@ DOMAIN = ("envs", "curriculum", "rlanything", "sessions", "judging", "learner", 
           "weights", "gate")
 # Ray-free cores: plain Python, testable without a cluster
 RAY_FREE = ("clawray.config", "clawray.samples", "clawray.records", "clawray.files",
-            "clawray.stats", "clawray.names", "clawray.buffer.core",
+            "clawray.stats", "clawray.names", "clawray.ledger", "clawray.buffer.core",
             "clawray.sessions.core", "clawray.sessions.matching", "clawray.sessions.rows",
             "clawray.learner.losses", "clawray.learner.batch", "clawray.curriculum.alp_gmm",
             "clawray.curriculum.samplers", "clawray.curriculum.core", "clawray.rlanything.core",

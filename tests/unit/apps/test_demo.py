@@ -39,3 +39,40 @@ def test_the_demo_judge_decides_how_its_users_word_their_reactions():
     assert users_phrasing(served) == "users" and "/models/judge (m=3" in judge_description(served)
     with pytest.raises(ValueError, match="unknown demo judge 'oracle'"):
         with_judge(ClawRayConfig(), "oracle")
+
+
+def test_arms_are_compared_to_the_trained_one_seed_by_seed(tmp_path):
+    from scipy import stats
+
+    from clawray.apps.demo import aggregate_demo_seeds, compare_arms, plot_arms
+
+    trained = aggregate_demo_seeds([summary(k, 0.4, 0.4 + r) for k, r in
+                                    enumerate((0.30, 0.25, 0.40, 0.35, 0.20))])
+    shuffled = aggregate_demo_seeds([summary(k, 0.4, 0.4 + r) for k, r in
+                                     enumerate((0.02, -0.05, 0.04, 0.0, 0.01))])
+    same = aggregate_demo_seeds([summary(k, 0.4, 0.4 + r) for k, r in
+                                 enumerate((0.28, 0.30, 0.35, 0.30, 0.22))])
+    c = compare_arms({"none": trained, "shuffled_feedback": shuffled, "no_training": same})
+    want = stats.ttest_rel([0.30, 0.25, 0.40, 0.35, 0.20], [0.02, -0.05, 0.04, 0.0, 0.01])
+    assert c["shuffled_feedback"]["p_value"] == pytest.approx(want.pvalue)
+    assert c["shuffled_feedback"]["difference"]["mean"] == pytest.approx(0.296)
+    assert c["shuffled_feedback"]["shown"] and not c["no_training"]["shown"]
+    assert c["no_training"]["seeds"] == [0, 1, 2, 3, 4]
+    # one seed: no test, nothing shown
+    one = compare_arms({"none": aggregate_demo_seeds([summary(0, 0.4, 0.7)]),
+                        "reply_hidden": aggregate_demo_seeds([summary(0, 0.4, 0.4)])})
+    assert one["reply_hidden"]["p_value"] is None and not one["reply_hidden"]["shown"]
+    plot_arms({"none": trained, "shuffled_feedback": shuffled}, tmp_path / "arms.png")
+    assert (tmp_path / "arms.png").stat().st_size > 10_000
+
+
+def test_run_learning_refuses_an_unknown_control_and_no_training_without_lockstep(tmp_path):
+    from clawray.apps.demo import run_learning
+    from clawray.config import ClawRayConfig
+
+    for control, lockstep, match in (("swap", True, "unknown control 'swap'"),
+                                     ("no_training", False, "needs lockstep")):
+        with pytest.raises(ValueError, match=match):
+            run_learning(ClawRayConfig(), "http://127.0.0.1:1/v1", "k", "m", tmp_path,
+                         iterations=1, users=1, eval_n=1, seed=0, lockstep=lockstep,
+                         control=control)

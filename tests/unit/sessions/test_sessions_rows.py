@@ -175,3 +175,35 @@ def test_rlanything_rule_weighs_the_votes_by_lambda():
     f = fin(votes=(1, 1, -1), outcome=-1, outcome_scope="turn")
     (row,) = rows_of(f, ["rl"], SessionRules(reward_rule="rlanything", step_score_weight=0.5))
     assert row["reward"] == pytest.approx(-1 + 0.5 / 3)
+
+
+def _said(text: str) -> JudgeJob:
+    rec = record()
+    return JudgeJob(1, "s", rec, [], rec.messages[1:], [{"role": "user", "content": text}],
+                    rec.messages)
+
+
+def test_the_judge_controls_hide_the_reply_or_give_each_turn_another_turns_next_state():
+    from clawray.judging.voters import HIDDEN_REPLY
+
+    voter = _Voter(prm=["\\boxed{1}"] * 3, opd=[], teacher=None)
+    plain = VoterPool([voter], JudgeConfig(), ["rl"])
+    ctx = plain.context(_said("thanks"))
+    assert (ctx.response_text, ctx.next_state[0]["content"]) == ("hello", "thanks")
+
+    hidden = VoterPool([voter], JudgeConfig(control="reply_hidden"), ["rl"])
+    ctx = hidden.context(_said("thanks"))
+    assert ctx.response_text == HIDDEN_REPLY and ctx.response_tool_calls == []
+    assert ctx.next_state[0]["content"] == "thanks"
+
+    shuffled = VoterPool([voter], JudgeConfig(control="shuffled_feedback"), ["rl"])
+    said = [f"message {i}" for i in range(200)]
+    seen = [shuffled.context(_said(t)).next_state for t in said]
+    assert seen[0] == []  # nothing earlier to give the first turn
+    got = [s[0]["content"] for s in seen[1:]]
+    # every turn reads an earlier turn's next state, never its own
+    assert all(int(g.split()[1]) < i + 1 for i, g in enumerate(got))
+    assert not any(g == t for g, t in zip(got, said[1:]))
+    assert len(set(got)) > 50  # drawn from many earlier turns, not one
+    with pytest.raises(ValueError):
+        JudgeConfig(control="swap")

@@ -1,0 +1,117 @@
+"""The ledger: every evaluation on a held-out pool, one JSON line each, written by the tool that
+ran it, so a reported figure can be traced to its run and no rerun silently replaces one.
+
+A line holds the time, the commit (with ``+dirty`` when the checkout had changes), the
+experiment (``live-demo``, ...), the arm (the judge and the control: what is compared), the
+seed, the pool (``test`` or ``validation``), the metric, its value, the number of requests it
+was measured on, and the command that ran it. The file is ``$CLAWRAY_LEDGER``, else
+``docs/results/ledger.jsonl`` of the checkout clawray runs from, else
+``~/.cache/clawray/ledger.jsonl`` (an installed package). Lines are only appended (one
+``write`` of a whole line on a file opened for appending, under an exclusive lock).
+
+What is reported from it (``first_runs``, ``clawray ledger``): per experiment, arm, metric and
+seed the FIRST registered run; every later run of the same cell is listed next to it, never in
+its place.
+
+Pure Python, no Ray.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+from clawray.stats import seed_stats
+
+LEDGER_ENV = "CLAWRAY_LEDGER"
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def ledger_path() -> Path:
+    """Where lines go (the module doc)."""
+    if os.environ.get(LEDGER_ENV):
+        return Path(os.environ[LEDGER_ENV]).expanduser()
+    if (_REPO / ".git").exists() and (_REPO / "docs" / "results").is_dir():
+        return _REPO / "docs" / "results" / "ledger.jsonl"
+    return Path("~/.cache/clawray/ledger.jsonl").expanduser()
+
+
+def current_commit() -> str | None:
+    """The checkout's commit, ``+dirty`` if it has uncommitted changes; None outside git."""
+    try:
+        head = subprocess.run(["git", "-C", str(_REPO), "rev-parse", "--short=12", "HEAD"],
+                              capture_output=True, text=True, timeout=10, check=True).stdout
+        dirty = subprocess.run(["git", "-C", str(_REPO), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.strip() + ("+dirty" if dirty.strip() else "")
+
+
+def record(experiment: str, arm: str, seed: int, pool: str, metric: str, value: float, *,
+           n: int | None = None, command: str | None = None, path: Path | None = None,
+           **extra: Any) -> dict[str, Any]:
+    """Append one evaluation to the ledger; the line written."""
+    for name, v in (("experiment", experiment), ("arm", arm), ("pool", pool),
+                    ("metric", metric)):
+        if not isinstance(v, str) or not v:
+            raise ValueError(f"ledger: {name} must be a non-empty string, not {v!r}")
+    line = {"time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "commit": current_commit(), "experiment": experiment, "arm": arm, "seed": int(seed),
+            "pool": pool, "metric": metric, "value": float(value), "n": n,
+            "command": command if command is not None else " ".join(sys.argv), **extra}
+    target = path or ledger_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(json.dumps(line) + "\n")
+        f.flush()
+    return line
+
+
+def read(path: Path | None = None) -> list[dict[str, Any]]:
+    """Every line of the ledger, in the order written (an absent ledger: none)."""
+    target = path or ledger_path()
+    if not target.is_file():
+        return []
+    return [json.loads(line) for line in target.read_text().splitlines() if line.strip()]
+
+
+def first_runs(lines: Iterable[dict[str, Any]], pool: str = "test") -> dict[tuple, Any]:
+    """Per (experiment, arm, metric): the first registered value of each seed on ``pool``, the
+    later runs of those seeds, and over the first runs their mean and standard error."""
+    cells: dict[tuple, dict[str, Any]] = {}
+    for line in lines:
+        if line["pool"] != pool:
+            continue
+        cell = cells.setdefault((line["experiment"], line["arm"], line["metric"]),
+                                {"first": {}, "later": []})
+        if line["seed"] in cell["first"]:
+            cell["later"].append(line)
+        else:
+            cell["first"][line["seed"]] = line
+    for cell in cells.values():
+        cell["seeds"] = sorted(cell["first"])
+        cell["stats"] = seed_stats(cell["first"][s]["value"] for s in cell["seeds"])
+    return cells
+
+
+def table(lines: Iterable[dict[str, Any]], pool: str = "test") -> str:
+    """``first_runs`` as a Markdown table: experiment, arm, metric, seeds, mean ± s.e., the
+    first run's commit range, and how many later runs are not in the figure."""
+    rows = ["| experiment | arm | metric | seeds | mean ± s.e. (min – max) | later runs |",
+            "|---|---|---|---|---|---|"]
+    for (experiment, arm, metric), cell in sorted(first_runs(lines, pool).items()):
+        st = cell["stats"]
+        se = "" if st["stderr"] is None else f" ± {st['stderr']:.3f}"
+        rows.append(f"| {experiment} | {arm} | {metric} | {len(cell['seeds'])} | "
+                    f"{st['mean']:.3f}{se} ({st['min']:.3f} – {st['max']:.3f}) | "
+                    f"{len(cell['later'])} |")
+    return "\n".join(rows)

@@ -1,0 +1,56 @@
+"""The ledger of held-out evaluations: lines only appended, the first run of each seed is the
+reported one and later runs are listed beside it, never in its place."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from clawray import ledger
+
+
+def test_the_suite_never_writes_the_repository_ledger():
+    assert ledger.ledger_path() == ledger.Path(os.environ[ledger.LEDGER_ENV])
+    assert "docs/results" not in str(ledger.ledger_path())
+
+
+def test_lines_are_appended_with_commit_command_and_fields(tmp_path):
+    path = tmp_path / "l.jsonl"
+    a = ledger.record("demo", "keyword-judge/none", 0, "test", "satisfaction_after", 0.7, n=150,
+                      command="clawray demo --seeds 0", path=path, iterations=40)
+    ledger.record("demo", "keyword-judge/none", 0, "test", "satisfaction_after", 0.5, n=150,
+                  command="clawray demo --seeds 0", path=path)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert lines[0] == a and len(lines) == 2 and lines[1]["value"] == 0.5
+    assert a["commit"] is None or len(a["commit"].split("+")[0]) == 12
+    assert a["iterations"] == 40 and a["time"].endswith("+00:00")
+    assert ledger.read(path) == lines and ledger.read(tmp_path / "none.jsonl") == []
+    with pytest.raises(ValueError, match="arm must be a non-empty string"):
+        ledger.record("demo", "", 0, "test", "m", 1.0, path=path)
+
+
+def test_the_first_run_of_each_seed_is_reported_and_later_runs_are_listed(tmp_path):
+    path = tmp_path / "l.jsonl"
+    for seed, value in ((0, 0.30), (1, 0.10), (0, 0.90), (2, 0.20)):  # seed 0 run twice
+        ledger.record("demo", "arm", seed, "test", "rise", value, path=path)
+    ledger.record("demo", "arm", 3, "validation", "rise", 0.99, path=path)  # another pool
+    (cell,) = ledger.first_runs(ledger.read(path)).values()
+    assert cell["seeds"] == [0, 1, 2]
+    assert cell["stats"]["mean"] == pytest.approx(0.2)  # 0.30, 0.10, 0.20: not the rerun's 0.90
+    assert [x["value"] for x in cell["later"]] == [0.9]
+    table = ledger.table(ledger.read(path))
+    assert "| demo | arm | rise | 3 | 0.200 ± 0.058 (0.100 – 0.300) | 1 |" in table
+
+
+def test_clawray_ledger_prints_the_table_and_says_when_there_is_none(tmp_path, capsys):
+    from clawray.apps.cli import main
+
+    path = tmp_path / "l.jsonl"
+    assert main(["ledger", "--path", str(path)]) == 2
+    assert "holds no evaluation yet" in capsys.readouterr().err
+    ledger.record("demo", "arm", 0, "test", "rise", 0.25, path=path)
+    assert main(["ledger", "--path", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 evaluations" in out and "| demo | arm | rise | 1 | 0.250 (0.250 – 0.250) | 0 |" in out

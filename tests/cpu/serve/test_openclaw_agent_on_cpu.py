@@ -10,7 +10,11 @@ installed (scripts/install_openclaw.sh). The three modes run at once (``agent_ru
 What is ours and what is the model's: every request the agent makes must get HTTP 200 and be
 recorded; a turn OpenClaw reports as incomplete ("Agent couldn't generate a response",
 ``reason=format`` in its fallback log) passes only when the served record shows why (the reply
-ran into maxTokens, or had no visible text), never for a failed stream (``stopReason=error``)."""
+ran into maxTokens, or OpenClaw would show none of it: ``openclaw_visible``, by OpenClaw's own
+rule for tool-call markup), never for a failed stream (``stopReason=error``). Greedy replies
+do not make the outcome fixed: OpenClaw's prompt (~15.8k tokens) holds its home folder, the
+date and session ids, and the tiny model's greedy reply to it was an unclosed ``<tool_call>``
+cut at maxTokens in some runs and a stray ``</tool_call>`` in others (docs/api.md)."""
 
 from __future__ import annotations
 
@@ -121,13 +125,35 @@ def _run_mode(api: str, openclaw_path: str, served) -> tuple[str, list[Turn]]:
     return marker, turns
 
 
+# A tool-call tag, opening or closing, as OpenClaw's visible-text sanitizer finds one.
+TOOL_CALL_TAG = re.compile(r"<\s*(/?)\s*tool_call\b[^>]*>")
+
+
+def openclaw_visible(text: str) -> str:
+    """What OpenClaw shows of an assistant text (its ``stripToolCallXmlTags``, 2026.9.6, for
+    the ``<tool_call>`` markup the tiny model writes): a block from ``<tool_call>`` to its
+    ``</tool_call>`` (or to the end, never closed) is hidden, and so is a stray closing tag."""
+    out, start, inside = [], 0, False
+    for tag in TOOL_CALL_TAG.finditer(text):
+        if not inside:
+            out.append(text[start:tag.start()])
+            inside = not tag.group(1)  # an opening tag starts a hidden block
+        elif tag.group(1):
+            inside = False
+        start = tag.end()
+    if not inside:
+        out.append(text[start:])
+    return "".join(out).strip()
+
+
 def _visible(rec) -> str:
-    """What a user would see of a served reply: its text without reasoning and tool calls."""
+    """What a user of OpenClaw sees of a served reply: its text without reasoning, tool calls
+    and tool-call markup the model wrote as text."""
     from clawray.models.reasoning import split_reasoning
     from clawray.models.tool_calls import parse_tool_calls
 
     _, content = split_reasoning(rec.response_text or "")
-    return (parse_tool_calls(content)[0] or "").strip()
+    return openclaw_visible(parse_tool_calls(content)[0] or "")
 
 
 def _explained(turn: Turn, recs) -> bool:
@@ -184,6 +210,16 @@ def test_the_openclaw_agent_is_served_and_recorded_in_each_api_mode(api, agent_r
         assert any(m["role"] == "assistant" for m in second.messages)
     assert all(r.response_ids for r in recs)
     assert {r.finish_reason for r in recs} <= {"stop", "length", "tool_calls"}
+
+
+def test_openclaws_visible_text_hides_tool_call_markup():
+    """The greedy replies of a clean-clone run (2026-12-05) that OpenClaw reported as "Agent
+    couldn't generate a response": a stray closing tag is all the user would see of them."""
+    assert openclaw_visible("</tool_call>") == ""
+    assert openclaw_visible("O</tool_call>.") == "O."
+    assert openclaw_visible('<tool_call>\n{"name": "x"') == ""  # never closed: to the end
+    assert openclaw_visible("Sure. <tool_call>{}</tool_call> Done") == "Sure.  Done"
+    assert openclaw_visible("4") == "4"
 
 
 def test_openclaws_log_is_read_for_its_verdict_on_a_turn():

@@ -24,6 +24,7 @@ import os
 import re
 import subprocess
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -185,7 +186,13 @@ def test_the_openclaw_agent_is_served_and_recorded_in_each_api_mode(api, agent_r
         return any(marker in json.dumps(m.get("content")) for m in rec.messages
                    if m["role"] == "user")
 
-    recs = [r for r in served.records(expected=10**9, timeout_s=5) if ours(r)]
+    want = sum(len(t.statuses) for t in turns)  # a record per answered model request
+    deadline = time.monotonic() + 20
+    while True:  # the records of the last requests may still be on their way to the file
+        recs = [r for r in served.records(expected=0) if ours(r)]
+        if len(recs) >= want or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     # what clawray served this agent, next to what the agent made of it
     served_turns = [{"finish": r.finish_reason, "text": r.response_text[:300],
                      "tool_calls": r.tool_calls, "sampling": r.sampling} for r in recs]

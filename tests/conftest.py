@@ -33,7 +33,7 @@ class Build:
 
 
 # The RLAnything notebook runs Table 1 small from warm starts of its own (cached by settings);
-# the warm-start floor tests check a policy SFT, an RM SFT and a judge SFT (minutes of CPU, in
+# the warm-start floor tests check a policy SFT and an RM SFT (minutes of CPU, in
 # a folder of the session's own so CI always measures a fresh build).
 BUILDS = {"rla": Build("test_rlanything_notebook", RLA_WARM_STARTS_CMD),
           "floors": Build("test_warm_start_floors_on_cpu", FLOORS_CMD, into_session_dir=True)}

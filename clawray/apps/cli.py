@@ -162,7 +162,7 @@ def cmd_rm_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_judge_sft(args: argparse.Namespace) -> int:
-    from clawray.sim.judge_sft import aggregate_builds, run_judge_sft
+    from clawray.sim.judge_sft import EVAL_SPLITS, aggregate_builds, run_judge_sft
 
     cfg = apply_sets(load_config(args.config), args.set).check()
     _prebuild(cfg)
@@ -176,7 +176,7 @@ def cmd_judge_sft(args: argparse.Namespace) -> int:
         agg = aggregate_builds(infos)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "judge_builds.json").write_text(json.dumps(agg, indent=2) + "\n")
-        for split in ("validation", "test"):
+        for split in (k for k in EVAL_SPLITS if k in agg):
             pm, p, m = (agg[split][f] for f in ("balanced_acc_pm", "p_plus", "p_minus"))
             se = "" if pm["stderr"] is None else f" ± {pm['stderr']:.3f}"
             print(f"clawray judge-sft: {agg['builds']} builds, {split}: ±1 balanced accuracy "
@@ -186,6 +186,8 @@ def cmd_judge_sft(args: argparse.Namespace) -> int:
 
 
 def _print_judge_build(result: Any) -> None:
+    from clawray.sim.judge_sft import EVAL_SPLITS
+
     info = result.info
     print(f"clawray judge-sft: {'cached' if result.cached else 'trained'} {result.path}")
 
@@ -193,7 +195,7 @@ def _print_judge_build(result: Any) -> None:
         return (f"balanced acc {m['balanced_acc']:.3f} (p+ {m['p_plus']:.2f}, p- "
                 f"{m['p_minus']:.2f}, p0 {m['p_zero']:.2f})")
 
-    for split in ("validation", "test"):
+    for split in (k for k in EVAL_SPLITS if k in info):
         row = info[split]
         print(f"clawray judge-sft: {split} ({info['splits'][split]['phrasing']} wording, "
               f"{row['judge']['n']} examples): "
@@ -621,10 +623,11 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--users", type=int, default=USERS)
             p.add_argument("--seed", type=int, default=SEED)
             p.add_argument("--judge", choices=("model", "heuristic"), default=JUDGE,
-                           help="model (default): a judge model trained on other wording "
-                           "(clawray judge-sft: built once, ~25 min on 2 cores, then cached) "
-                           "on a JudgeServer; heuristic: the keyword rule judge, the users then "
-                           "speak its keywords (the loop's mechanics, no build)")
+                           help="heuristic (default): the keyword rule judge, which reads "
+                           "only the user's next message (the users speak its keywords); "
+                           "model: the judge model of clawray judge-sft on a JudgeServer "
+                           "(built once, ~25 min on 2 cores; not shown to read feedback: "
+                           "docs/training.md)")
             p.add_argument("--lockstep", action="store_true",
                            help="the users play one session each, the trainer trains on "
                            "exactly those turns, and again: a run repeatable for its seed "

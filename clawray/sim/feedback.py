@@ -1,12 +1,13 @@
 """How simulated users word their reactions: phrasing pools, disjoint by construction.
 
-A reaction is an opener, a body and a closer joined by a frame ("Hold on - that rambles on.
-Again but brief."). Each pool has frames and closers of its own, so no reaction of one pool is
-a reaction of another (tested); openers and bodies are partly shared: a small judge model built
-from the embedded model knows no English beyond what it is trained on, so a pool of entirely
-new words would test a vocabulary it cannot have, where a real (pretrained) judge would not
-care. The evaluation reports "familiar" reactions (sentiment said with trained words, in new
-frames) and the rest (new words) separately.
+A reaction is an opener, a body and a closer joined by a frame ("Argh - it rambles. Start
+over."). The judge's training wording (``judge_train``), the wording settings are chosen on
+(``judge_validation``) and the wording it is tested on (``users``) share no opener, body,
+frame or closer, and the test wording shares no word with the training wording beyond a short
+list of function words ("that", "it", "me", ...; ``FUNCTION_WORDS``; tested). A judge scored
+on ``users`` is scored on language it never saw in training. For the embedded model, whose
+judge knows no English beyond its training rows, that is a test it cannot pass by reading
+(what it can learn is said in docs/training.md); a pretrained judge brings its own English.
 
 - ``judge_train``: the wording a judge model is trained on (``clawray judge-sft``);
 - ``judge_validation``: for choosing the judge's training settings;
@@ -15,11 +16,11 @@ frames) and the rest (new words) separately.
 - ``keywords``: the heuristic rule judge's own keywords, for protocol tests and the quickstart
   that run the loop with that judge (it measures nothing about a judge).
 
-Negative bodies say what went wrong (too long, unreadable, empty, or too short for a user who
-wants detail), as a person would. The
-pools are written as people talk, not to match the keyword lists of the heuristic rule judge
-(``clawray/judging/rules.py``), whose accuracy on them is measured, not assumed
-(``clawray judge-sft`` reports both).
+Positive openers, bodies and closers say nothing about length, and negative closers neither:
+users who want brief replies and users who want detailed ones approve in the same words, and
+only a negative body says what went wrong (too long, unreadable, empty, or too short), as a
+person would. The pools are written as people talk, not to match the keyword lists of the
+heuristic rule judge (``clawray/judging/rules.py``), and share none of its keywords (tested).
 
 Pure Python, no Ray.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 
 REASONS = ("long", "unreadable", "empty", "short")
 
@@ -45,11 +47,21 @@ class PhrasingPool:
     negative_bodies: dict[str, tuple[str, ...]]  # by reason: long, unreadable, empty, short
     negative_closers: tuple[str, ...]
 
-    def words(self, satisfied: bool) -> set[str]:
-        """The openers and bodies of one sentiment (what says whether the user is pleased)."""
-        if satisfied:
-            return set(self.positive_openers) | set(self.positive_bodies)
-        return set(self.negative_openers) | {b for r in REASONS for b in self.negative_bodies[r]}
+    def parts(self) -> set[str]:
+        """Every opener, body, closer and frame."""
+        return {*self.frames, *self.positive_openers, *self.positive_bodies,
+                *self.positive_closers, *self.negative_openers, *self.negative_closers,
+                *(b for r in REASONS for b in self.negative_bodies[r])}
+
+    def words(self) -> set[str]:
+        """The words of its parts, in lower case, less ``FUNCTION_WORDS``."""
+        text = " ".join(re.sub(r"\{\w\}", " ", part) for part in self.parts()).lower()
+        return set(re.findall(r"[a-z]+(?:['-][a-z]+)*", text)) - FUNCTION_WORDS
+
+
+# Words every wording needs; the test wording may share only these with the training wording.
+FUNCTION_WORDS = frozenset({"a", "an", "the", "it", "is", "i", "me", "my", "you", "to", "of",
+                            "for", "on", "that", "that's", "and", "this", "be", "so"})
 
 
 def _cap(text: str) -> str:
@@ -61,10 +73,9 @@ PHRASINGS: dict[str, PhrasingPool] = {
         frames=("{O}, {b}{c}", "{O}! {B}{c}", "{B}{c}"),
         positive_openers=("Nice", "Cool", "Lovely", "Yes", "Brilliant", "Sweet", "Ah good",
                           "Excellent", "Good"),
-        positive_bodies=("that's just right", "spot on", "short and sweet", "you nailed it",
-                         "that hits the mark", "just what I was after",
-                         "clear and to the point", "that's the stuff", "that's helpful",
-                         "I like that"),
+        positive_bodies=("that's just right", "spot on", "you nailed it", "that hits the mark",
+                         "just what I was after", "that's the stuff", "that's helpful",
+                         "I like that", "that suits me", "right on target"),
         positive_closers=(".", "!", ", cheers.", ". More like this please.", ", ta."),
         negative_openers=("Hmm", "Nope", "Ugh", "Meh", "Oh no", "Sigh", "Uh", "No"),
         negative_bodies={
@@ -76,45 +87,45 @@ PHRASINGS: dict[str, PhrasingPool] = {
             "empty": ("you said nothing", "that reply is blank", "I got no words back",
                       "that was empty"),
             "short": ("say more than that", "that is too thin", "I wanted the details",
-                      "you can go into more depth"),
+                      "you can go into more depth", "that's far too short",
+                      "I asked for something thorough", "longer please",
+                      "hardly any text"),
         },
-        negative_closers=(".", "!", ", do it again shorter.", ". Give it another go.", "?!"),
+        negative_closers=(".", "!", ". Give it another go.", "?!", ", have another go."),
     ),
     "judge_validation": PhrasingPool(
         frames=("{B} - {o}{c}", "{O}... {b}{c}"),
-        positive_openers=("Neat", "Awesome", "Nice", "Yes", "Sweet"),
-        positive_bodies=("that's the length I like", "much appreciated", "spot on",
-                         "you nailed it", "short and sweet"),
-        positive_closers=(". Nice one.", ", thanks a bunch."),
-        negative_openers=("Well", "Come on", "Nope", "Ugh", "Hmm"),
+        positive_openers=("Neat", "Awesome", "Superb", "Wow", "Ace"),
+        positive_bodies=("grateful", "that does the job", "well done", "useful", "love it"),
+        positive_closers=(". Kudos.", ", obliged."),
+        negative_openers=("Well", "Come on", "Hmph", "Bah", "Geez"),
         negative_bodies={
-            "long": ("please be concise", "that's an essay", "too wordy for me",
-                     "that's way too long"),
-            "unreadable": ("that's garbled", "I can't read that"),
-            "empty": ("there's nothing there", "you said nothing"),
-            "short": ("flesh it out", "more detail please"),
+            "long": ("be concise", "an essay", "trim it", "overly verbose"),
+            "unreadable": ("garbled output", "static noise"),
+            "empty": ("zero output", "a void"),
+            "short": ("flesh it out", "richer content needed", "skimpy", "expand on it"),
         },
-        negative_closers=(", once more.", ". Shorter next round."),
+        negative_closers=(", rewrite it.", ". Retry."),
     ),
-    # What the demo's users say: new frames and closers, part of the openers and bodies new
-    # too ("familiar" examples use only openers and bodies the judge was trained on).
+    # What the demo's users say, and the judge's test wording: no opener, body, frame or
+    # closer of it is in another pool, and no word of it is in the judge's training wording
+    # (tests/unit/sim/test_feedback.py).
     "users": PhrasingPool(
         frames=("{B}, {o}{c}", "{O} - {b}{c}", "{O}: {b}{c}"),
-        positive_openers=("Wonderful", "Splendid", "Lovely", "Cool", "Brilliant", "Yep"),
-        positive_bodies=("exactly my style", "just the right size", "works for me",
-                         "that hits the mark", "just what I was after", "I like that"),
-        positive_closers=("!!", ". Appreciated.", ". Keep it like that.", " :)"),
-        negative_openers=("Hold on", "Argh", "Oof", "Meh", "Sigh", "Oh no"),
+        positive_openers=("Wonderful", "Splendid", "Yep", "Fantastic", "Marvellous", "Yay"),
+        positive_bodies=("my kind of answer", "works for me", "bang on", "top notch",
+                         "lands nicely", "very handy"),
+        positive_closers=("!!", ". Appreciated.", ". Keep it up.", " :)"),
+        negative_openers=("Hold on", "Argh", "Oof", "Yikes", "Blah", "Erm"),
         negative_bodies={
-            "long": ("that rambles on", "keep it to a few words", "that's long-winded",
-                     "that's a wall of text", "can you cut that down", "that goes on and on"),
-            "unreadable": ("that makes no sense", "what is that mess"),
-            "empty": ("where's the answer", "I got no words back"),
-            "short": ("that is too terse", "tell me a lot more", "I need the full picture",
-                      "elaborate a bit"),
+            "long": ("it rambles", "keep it snappy", "bloated", "condense it", "less talk",
+                     "overkill"),
+            "unreadable": ("incomprehensible", "pure nonsense"),
+            "empty": ("where's the answer", "not a single word"),
+            "short": ("rather terse", "I need specifics", "paint the full picture",
+                      "elaborate a bit", "dig deeper", "barely anything"),
         },
-        negative_closers=(". Again but brief.", ". One more time, tighter.", ". Redo that.",
-                          "..."),
+        negative_closers=(". Once again.", ". Start afresh.", "...", ". Start over."),
     ),
     # The heuristic rule judge's own keywords ("thanks", "perfect", "wrong", "try again", ...):
     # for protocol tests and the quickstart, which run the loop with that judge. Not a test of
@@ -159,13 +170,3 @@ def react(pool: str, satisfied: bool, reason: str, rng: random.Random) -> str:
                                 rng.choice(p.negative_closers))
     frame = rng.choice(p.frames)
     return frame.format(O=_cap(opener), o=opener.lower(), B=_cap(body), b=body, c=closer).strip()
-
-
-def familiar(pool: str, text: str, satisfied: bool, trained_on: str = "judge_train") -> bool:
-    """Whether reaction ``text`` of ``pool`` says its sentiment only with openers and bodies
-    that pool ``trained_on`` also uses (in other frames), so a judge trained there has seen
-    every word that carries it."""
-    own, seen = phrasing_pool(pool).words(satisfied), phrasing_pool(trained_on).words(satisfied)
-    low = text.lower()
-    used = {w for w in own if w.lower() in low}
-    return bool(used) and used <= seen

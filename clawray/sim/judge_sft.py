@@ -8,11 +8,16 @@ lists; this builds a small model that does it from examples, so a demo's learnin
 not depend on users saying the judge's keywords:
 
 1. ``judge_examples``: seeded synthetic turns. A request from a prompt pool
-   (``clawray/sim/users.py``), a reply (canned, short, long, unreadable or empty), and the
-   user's next message: a reaction worded from a phrasing pool (``clawray/sim/feedback.py``;
-   approval if the ``brief`` preference is met, else a complaint saying what was wrong), alone
-   or followed by the next request, labelled +1 / -1; or only a next request, labelled 0. The
-   labels are balanced by construction (``NEUTRAL_SHARE`` neutral, the rest half and half).
+   (``clawray/sim/users.py``), a readable reply (canned or from the embedded model's corpus)
+   that pleases either users who want brief replies or users who want detailed ones, never
+   both, and the next message of a user with one of those two hidden preferences (half
+   each): a reaction worded from a phrasing pool (``clawray/sim/feedback.py``; approval if
+   the reply met the preference, else a complaint saying what was wrong), alone or followed
+   by the next request, labelled +1 / -1; or only a next request, labelled 0. The label is
+   what the user said: the same reply is +1 for one user and -1 for the other, so no rule
+   that reads only the reply beats chance (``reply_rule_accuracy``, reported next to the
+   judge; tested). The labels are balanced by construction (``NEUTRAL_SHARE`` neutral, the
+   rest half and half).
 2. Each example becomes an ``sft`` row: prompt = the PRM judge prompt
    (``judging/prompts.build_prm_prompt``) chat-templated as the JudgeServer templates it,
    response = ``\boxed{label}<|im_end|>``.
@@ -22,14 +27,15 @@ not depend on users saying the judge's keywords:
 4. Evaluated with ``m`` sampled votes per example (the JudgeServer's way) on the validation
    wording (``judge_validation`` phrasing, ``validation`` prompts: for choosing settings) and
    the test wording (``users`` phrasing, ``test`` prompts: reported), before and after, next to
-   the heuristic judge on the same examples: recall per label (p₊, p₋, p₀), balanced accuracy
+   the heuristic judge and the reply-only rules on the same examples: recall per label (p₊, p₋, p₀), balanced accuracy
    over the three labels, and over ±1 (what training uses).
 
 The training examples use the ``judge_train`` phrasing and the ``train`` prompts only; the
-three splits share no reaction (their frames and closers differ) and no prompt template
-(tested). Openers and bodies are partly shared (``clawray/sim/feedback.py`` says why): the
-evaluation reports "familiar" reactions (trained words in new frames) and "novel" ones (new
-words) apart.
+three splits share no prompt template and no opener, body, frame or closer of a reaction, and
+the test wording shares no word with the training wording but function words (tested). For
+the embedded model that is more than it can do: its judge knows no English beyond its
+training rows, so on the test wording it can only pick up what the new words share with the
+old by their spelling; a pretrained judge (``model.path``/``base``) brings its own English.
 """
 
 from __future__ import annotations
@@ -51,80 +57,97 @@ from clawray.models.chat_template import IM_END
 from clawray.models.corpus import REPLY_GREETING, REPLY_OTHER, REPLY_QUESTION, sentence
 from clawray.models.loader import load_tokenizer, policy_model_info, resolve_model_path
 from clawray.samples import make_row
-from clawray.sim.feedback import familiar, react
-from clawray.sim.preferences import BriefReplies, reason_of
+from clawray.sim.preferences import BriefReplies, DetailedReplies
 from clawray.sim.users import SYSTEM_PROMPT, make_request
 from clawray.training.evaluate import sampled_votes
 from clawray.stats import seed_stats
 from clawray.training.sft import (SFTResult, cached_result, files_digest, learner_settings,
                                   save_result, train_sft)
 
-RECIPE = "2"  # bump when the examples, the rows or the training recipe change
+RECIPE = "3"  # bump when the examples, the rows or the training recipe change (3: two
+# opposite user preferences, wording disjoint to the word)
 # Torch threads of the build: the same recipe built on two threads and on one gave judges with
 # p+ 0.36 and 0.94 on the users' wording (docs/training.md); pinned, a key is one model.
 SFT_THREADS = 1
 NEUTRAL_SHARE = 0.2
 EVAL_TEMPERATURE = 0.6  # the JudgeServer's default (judge.temperature)
 LABELS = (1, -1, 0)
-# (phrasing pool, prompt pool) per split: disjoint in both.
-SPLITS = {"train": ("judge_train", "train"), "validation": ("judge_validation", "validation"),
-          "test": ("users", "test")}
+# (phrasing pool, prompt pool) per split. validation and test are disjoint from train in both;
+# seen_wording is new turns (held-out prompts, new replies and users) in the training wording:
+# whether the judge learned to read what it was taught, apart from whether it generalizes.
+SPLITS = {"train": ("judge_train", "train"), "seen_wording": ("judge_train", "validation"),
+          "validation": ("judge_validation", "validation"), "test": ("users", "test")}
+EVAL_SPLITS = ("seen_wording", "validation", "test")
 
 
 @dataclasses.dataclass
 class JudgeExample:
     ctx: TurnContext
-    label: int  # 1 / -1 / 0
-    familiar: bool = True  # the reaction's sentiment words all occur in the training wording
+    label: int  # 1 / -1 / 0: what the user's next message says
+    preference: str = ""  # the user's hidden preference (USER_PREFERENCES), "" for none
 
 
-def draw_reply(rng: random.Random, satisfied: bool) -> str:
-    """A reply the ``brief`` preference accepts (``satisfied``) or rejects, of varied kinds."""
-    pref = BriefReplies()
+# The users of the judge's examples: half want brief replies, half detailed ones (opposite
+# preferences), and every reply pleases exactly one of them. The label is what the user's
+# reaction says, so the same reply is +1 for one user and -1 for the other, and nothing in
+# the reply tells them apart (tested: every rule that reads only the reply scores chance).
+USER_PREFERENCES = {"brief": BriefReplies, "detailed": DetailedReplies}
+
+
+def draw_reply(rng: random.Random, brief: bool) -> str:
+    """A readable reply that ``brief`` users accept and ``detailed`` ones reject (``brief``),
+    or the reverse: canned replies of the embedded model and sentences of its corpus."""
     for _ in range(100):
-        if satisfied:
-            kind = rng.choice(("canned", "short", "short"))
-            text = (rng.choice((REPLY_GREETING, REPLY_OTHER)) if kind == "canned"
-                    else " ".join(sentence(rng).split()[:rng.randint(1, 7)]).rstrip(",;") + ".")
+        if brief:
+            text = (rng.choice((REPLY_GREETING, REPLY_OTHER)) if rng.random() < 1 / 3 else
+                    " ".join(sentence(rng).split()[:rng.randint(1, 7)]).rstrip(",;") + ".")
         else:
-            kind = rng.choice(("canned", "long", "long", "unreadable", "empty"))
-            if kind == "canned":
-                text = REPLY_QUESTION
-            elif kind == "long":
-                text = " ".join(sentence(rng) for _ in range(rng.randint(1, 3)))
-            elif kind == "unreadable":
-                text = "".join(rng.choice('",.;:!?-*#') for _ in range(rng.randint(3, 40)))
-            else:
-                text = rng.choice(("", " ", "\n"))
-        if pref.satisfied(text) == satisfied:
+            text = (REPLY_QUESTION if rng.random() < 1 / 3 else
+                    " ".join(sentence(rng) for _ in range(rng.randint(1, 3))))
+        if (BriefReplies().satisfied(text), DetailedReplies().satisfied(text)) == (brief,
+                                                                                not brief):
             return text
     raise RuntimeError("could not draw a reply of the wanted kind")  # pragma: no cover
 
 
 def judge_examples(n: int, split: str, seed: int = 0) -> list[JudgeExample]:
-    """``n`` seeded examples of ``split`` (train / validation / test; ``SPLITS``)."""
+    """``n`` seeded examples of ``split`` (``SPLITS``): a request, a
+    reply, and the next message of a user with a hidden preference: a reaction alone, a
+    reaction and the next request (+1 approval, -1 complaint), or only the next request (0)."""
     phrasing, prompts = SPLITS[split]
     rng = random.Random(f"judge/{split}/{seed}")
     out = []
     for _ in range(n):
         _, request = make_request(rng, pool=prompts)
         neutral = rng.random() < NEUTRAL_SHARE
-        satisfied = rng.random() < 0.5
-        reply = draw_reply(rng, satisfied)
+        who = rng.choice(sorted(USER_PREFERENCES))
+        pref = USER_PREFERENCES[who](phrasing=phrasing)
+        reply = draw_reply(rng, brief=rng.random() < 0.5)
         _, following = make_request(rng, pool=prompts)
-        known = True
         if neutral:
             nxt, label = following, 0
         else:
-            said = react(phrasing, satisfied, reason_of(reply), rng)
-            known = familiar(phrasing, said, satisfied)
+            satisfied = pref.satisfied(reply)
+            said = pref.feedback(reply, satisfied, rng)
             nxt = said if rng.random() < 0.3 else f"{said} {following}"
             label = 1 if satisfied else -1
         ctx = TurnContext(history=[{"role": "system", "content": SYSTEM_PROMPT}],
                           request=[{"role": "user", "content": request}], response_text=reply,
                           response_tool_calls=[],
                           next_state=[{"role": "user", "content": nxt}])
-        out.append(JudgeExample(ctx, label, known))
+        out.append(JudgeExample(ctx, label, "" if neutral else who))
+    return out
+
+
+def reply_rule_accuracy(examples: list[JudgeExample]) -> dict[str, Any]:
+    """The trivial rules a cue in the reply alone would give, on the same examples: "+1 iff the
+    reply is brief" and "+1 iff it is detailed" (one vote each, 0 never)."""
+    out = {}
+    for name, pref in (("brief_is_good", BriefReplies()), ("detailed_is_good",
+                                                           DetailedReplies())):
+        out[name] = label_metrics([e.label for e in examples],
+                                  [[1 if pref.satisfied(e.ctx.response_text) else -1]
+                                   for e in examples])
     return out
 
 
@@ -173,14 +196,15 @@ def label_metrics(labels: list[int], votes: list[list[int | None]]) -> dict[str,
 
 def split_metrics(examples: list[JudgeExample], votes: list[list[int | None]]
                   ) -> dict[str, Any]:
-    """``label_metrics`` over all examples, and over the familiar ones (each reaction's
-    sentiment said with words of the training wording, in new frames) and the novel ones
-    (new words), the neutral examples in both."""
+    """``label_metrics`` over all examples, and per user preference (``by_preference``: the
+    examples of users with that preference, the neutral ones in each)."""
     out = label_metrics([e.label for e in examples], votes)
-    for name, keep in (("familiar", True), ("novel", False)):
-        idx = [i for i, e in enumerate(examples) if e.label == 0 or e.familiar == keep]
+    out["by_preference"] = {}
+    for who in USER_PREFERENCES:
+        idx = [i for i, e in enumerate(examples) if e.preference in (who, "")]
         if any(examples[i].label for i in idx):
-            out[name] = label_metrics([examples[i].label for i in idx], [votes[i] for i in idx])
+            out["by_preference"][who] = label_metrics([examples[i].label for i in idx],
+                                                      [votes[i] for i in idx])
     return out
 
 
@@ -224,7 +248,7 @@ def run_judge_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True
     train = judge_examples(n_train, "train", s.seed)
     rows = judge_sft_rows(train, load_tokenizer(base))
     history = train_sft(base, cfg, rows, progress, threads=SFT_THREADS)
-    held_out = {split: judge_examples(n_eval, split, s.seed) for split in ("validation", "test")}
+    held_out = {split: judge_examples(n_eval, split, s.seed) for split in EVAL_SPLITS}
 
     def describe(saved: Path) -> dict[str, Any]:
         nll = history["nll"]
@@ -239,6 +263,7 @@ def run_judge_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True
         for split, examples in held_out.items():
             info[split] = {
                 "heuristic": heuristic_accuracy(examples),
+                "reply_rules": reply_rule_accuracy(examples),
                 "judge": judge_accuracy(saved, ev, examples, m, EVAL_TEMPERATURE, s.seed)}
             if eval_base:  # the model it started from (writes no verdict box: 0 throughout)
                 info[split]["base"] = judge_accuracy(base, ev, examples, m, EVAL_TEMPERATURE,
@@ -257,9 +282,9 @@ def aggregate_builds(infos: list[dict[str, Any]]) -> dict[str, Any]:
     over seeds each figure's mean and standard error (n - 1 in the variance)."""
     per_seed = [{"seed": i["seed"], "key": i["key"], "train_s": round(i["train_s"], 1),
                  **{split: {f: i[split]["judge"][f] for f in FIGURES}
-                    for split in ("validation", "test")}} for i in infos]
+                    for split in EVAL_SPLITS if split in i}} for i in infos]
     settings = {k: infos[0][k] for k in ("recipe", "n_train", "steps", "batch_size", "lr",
                                          "n_eval", "m", "eval_temperature")}
     return {"settings": settings, "seeds": per_seed, "builds": len(per_seed),
             **{split: {f: seed_stats(p[split][f] for p in per_seed) for f in FIGURES}
-               for split in ("validation", "test")}}
+               for split in EVAL_SPLITS if all(split in p for p in per_seed)}}

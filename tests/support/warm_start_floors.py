@@ -1,6 +1,5 @@
 """The warm starts whose floors tests/cpu/training/test_warm_start_floors_on_cpu.py checks:
-the policy (env-demo's SFT recipe), the step RM trained on that policy's steps, and a small
-judge model of the live loop (``clawray judge-sft``'s examples, a recipe of CI's size).
+the policy (env-demo's SFT recipe) and the step RM trained on that policy's steps.
 
 tests/conftest.py builds them in the background at the lowest CPU priority from the session's
 first test on (``python -m tests.support.warm_start_floors CACHE_DIR``), so the minutes of SFT
@@ -22,8 +21,6 @@ EVAL_TEMPERATURE = 0.5  # their sampling temperature (why: the test module's doc
 RM_TASKS = 100
 RM_EVAL_TASKS = 20  # test-pool tasks whose policy steps score the RM (30 validation-pool
 # tasks' steps choose its step: rm_sft.run_rm_sft's defaults)
-JUDGE_TRAIN = 2000  # judge-sft training examples (the judge_train wording, train prompts)
-JUDGE_EVAL = 100  # examples per held-out split (validation and test wording), m = 3 votes
 
 
 def policy_config(cache_dir: str) -> ClawRayConfig:
@@ -41,14 +38,6 @@ def rm_config(policy_cfg: ClawRayConfig) -> ClawRayConfig:
     scored with m = 3 votes."""
     return policy_cfg.copy_with(sft={"steps": 200, "batch_size": 16, "lr": 1e-3,
                                      "eval_tasks": RM_EVAL_TASKS})
-
-
-def judge_config(cache_dir: str) -> ClawRayConfig:
-    """A judge recipe of CI's size: 150 steps of 32 rows at lr 3e-3 (the demo's judge: 400
-    steps at 1e-3 on 4000 examples, 25 min), one row per forward pass (``max_pack_tokens``
-    1024 against rows of ~720 tokens: two rows packed cost twice the attention of two alone)."""
-    return (ClawRayConfig().sft(steps=150, batch_size=32, lr=3e-3, cache_dir=cache_dir, seed=0)
-            .training(max_pack_tokens=1024))
 
 
 def one_thread() -> Any:
@@ -75,38 +64,14 @@ def rm(cache_dir: str, policy_path: str) -> Any:
                           max_difficulty=0.3, progress=False)
 
 
-def judge(cache_dir: str) -> Any:
-    from clawray.sim.judge_sft import run_judge_sft
-
-    return run_judge_sft(judge_config(cache_dir), progress=False, n_train=JUDGE_TRAIN,
-                         n_eval=JUDGE_EVAL, m=3, eval_base=False)
-
-
-def _judge_line(cache_dir: str) -> str:
-    judged = judge(cache_dir).info["test"]["judge"]
-    return f"judge: ±1 balanced accuracy on the users' wording {judged['balanced_acc_pm']}"
-
-
 def main(argv: list[str]) -> int:
-    """Build the three warm starts into ``CACHE_DIR``. The judge needs neither the policy nor
-    the RM, so it builds in a process of its own beside them (each SFT on one thread, so the
-    two do not wait on each other's OpenMP barriers): the build takes the longer of the two
-    chains, not their sum, at the end of the suite where the tests leave both cores idle."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    from tests.support.common import die_with_parent
-
+    """Build the warm starts into ``CACHE_DIR``: the policy, then the RM on its steps."""
     [cache_dir] = argv
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=die_with_parent) as pool:
-        judged = pool.submit(_judge_line, cache_dir)
-        built = policy(cache_dir)
-        print(f"policy: {built.path} (held-out success {built.info['success_before']:.3f} -> "
-              f"{built.info['success_after']:.3f})", flush=True)
-        scored = rm(cache_dir, str(built.path)).info["rm_after"]
-        print(f"RM: held-out balanced accuracy {scored['balanced_acc']}", flush=True)
-        print(judged.result(), flush=True)
+    built = policy(cache_dir)
+    print(f"policy: {built.path} (held-out success {built.info['success_before']:.3f} -> "
+          f"{built.info['success_after']:.3f})", flush=True)
+    scored = rm(cache_dir, str(built.path)).info["rm_after"]
+    print(f"RM: held-out balanced accuracy {scored['balanced_acc']}", flush=True)
     print("warm starts ready", flush=True)
     return 0
 

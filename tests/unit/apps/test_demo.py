@@ -33,7 +33,7 @@ def test_the_demo_judge_decides_how_its_users_word_their_reactions():
     from clawray.config import ClawRayConfig
 
     heuristic = with_judge(ClawRayConfig(), "heuristic")
-    assert JUDGE == "model" and users_phrasing(heuristic) == "keywords"
+    assert JUDGE == "heuristic" and users_phrasing(heuristic) == "keywords"
     assert judge_description(heuristic).endswith("rules:heuristic_judge")
     served = ClawRayConfig().judge(backend="server", model_path="/models/judge")
     assert users_phrasing(served) == "users" and "/models/judge (m=3" in judge_description(served)

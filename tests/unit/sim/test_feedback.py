@@ -1,5 +1,7 @@
-"""Feedback phrasing pools and the judge model's examples: disjoint wording per split, labels
-that follow the preference, and the heuristic judge measured on wording it was not tuned to."""
+"""Feedback phrasing pools and the judge model's examples: disjoint wording per split (to the
+word between training and test), labels that only the user's words give (no rule that reads
+the reply alone beats chance), and the heuristic judge measured on wording it was not tuned
+to."""
 
 from __future__ import annotations
 
@@ -8,10 +10,11 @@ import random
 
 import pytest
 
-from clawray.sim.feedback import PHRASING_NAMES, PHRASINGS, REASONS, familiar, react
-from clawray.sim.preferences import BriefReplies
-from clawray.sim.judge_sft import (SPLITS, draw_reply, heuristic_accuracy, judge_examples,
-                                        label_metrics, reason_of)
+from clawray.judging.rules import classify_next_state
+from clawray.sim.feedback import FUNCTION_WORDS, PHRASING_NAMES, PHRASINGS, REASONS, react
+from clawray.sim.judge_sft import (EVAL_SPLITS, SPLITS, USER_PREFERENCES, draw_reply, heuristic_accuracy,
+                                   judge_examples, label_metrics, reply_rule_accuracy)
+from clawray.sim.preferences import BriefReplies, DetailedReplies
 
 
 def test_phrasing_pools_share_no_frame_no_closer_and_no_reaction():
@@ -29,37 +32,80 @@ def test_phrasing_pools_share_no_frame_no_closer_and_no_reaction():
         react("casual", True, "long", random.Random(0))
 
 
-def test_familiar_means_every_sentiment_word_was_in_the_training_wording():
-    assert familiar("users", "Cool - I like that!!", True)  # both in judge_train
-    assert not familiar("users", "Wonderful - I like that!!", True)  # a new opener
-    assert not familiar("users", "Hold on: that rambles on...", False)
-    shares = [familiar("users", react("users", ok, "long", random.Random(k)), ok)
-              for k in range(400) for ok in (True, False)]
-    assert 0.1 < sum(shares) / len(shares) < 0.6  # both kinds are well represented
+def test_the_judge_is_tested_on_wording_that_shares_no_part_and_no_word_with_its_training():
+    train = PHRASINGS["judge_train"]
+    for held_out in ("judge_validation", "users"):
+        other = PHRASINGS[held_out]
+        assert not train.parts() & other.parts(), held_out
+        assert not train.words() & other.words(), (held_out, train.words() & other.words())
+        assert other.parts() and len(other.words()) > 30
+    # the check reads words, not parts: a shared word in new surroundings is caught
+    assert "cool" in train.words() and "that's" in FUNCTION_WORDS
+    assert not {"too", "long", "short", "more", "no"} & FUNCTION_WORDS
+    # and no part of the judge pools is a keyword of the heuristic judge
+    for name in ("judge_train", "judge_validation", "users"):
+        heard = [part for part in PHRASINGS[name].parts()
+                 if classify_next_state([{"role": "user", "content": part}])[0]]
+        assert not heard, (name, heard)
+    assert classify_next_state([{"role": "user", "content": "Thanks a lot"}])[0] == 1
 
 
 def test_judge_splits_use_disjoint_wording_and_prompts():
-    assert [SPLITS[s][0] for s in ("train", "validation", "test")] == \
-        ["judge_train", "judge_validation", "users"]
+    assert [SPLITS[s][0] for s in ("train", "seen_wording", "validation", "test")] == \
+        ["judge_train", "judge_train", "judge_validation", "users"]
     assert set(PHRASING_NAMES) == {"judge_train", "judge_validation", "users", "keywords"}
-    assert [SPLITS[s][1] for s in ("train", "validation", "test")] == \
-        ["train", "validation", "test"]
+    assert [SPLITS[s][1] for s in ("train", "seen_wording", "validation", "test")] == \
+        ["train", "validation", "validation", "test"]
+    assert EVAL_SPLITS == ("seen_wording", "validation", "test")
     texts = {s: {e.ctx.next_state[0]["content"] for e in judge_examples(400, s)}
              for s in SPLITS}
     assert not texts["train"] & texts["validation"] and not texts["train"] & texts["test"]
+    requests = {s: {e.ctx.request[0]["content"] for e in judge_examples(400, s)}
+                for s in SPLITS}
+    assert not requests["train"] & requests["seen_wording"]  # new turns, the trained wording
 
 
-def test_examples_are_balanced_and_labelled_by_the_preference():
-    pref = BriefReplies()
-    examples = judge_examples(600, "train", seed=1)
+def test_examples_are_balanced_and_labelled_by_what_the_user_says():
+    examples = judge_examples(1200, "train", seed=1)
     counts = collections.Counter(e.label for e in examples)
-    assert 0.12 < counts[0] / 600 < 0.28 and abs(counts[1] - counts[-1]) < 80
+    assert 0.12 < counts[0] / 1200 < 0.28 and abs(counts[1] - counts[-1]) < 120
+    assert {e.preference for e in examples if e.label} == set(USER_PREFERENCES)
     for e in examples:
         if e.label:
+            pref = USER_PREFERENCES[e.preference]()
             assert pref.satisfied(e.ctx.response_text) == (e.label == 1)
+        else:
+            assert e.preference == ""
     rng = random.Random(0)
-    assert {reason_of(draw_reply(rng, False)) for _ in range(200)} == set(REASONS) - {"short"}
+    for brief in (True, False):
+        for _ in range(100):
+            text = draw_reply(rng, brief)
+            assert BriefReplies().satisfied(text) == brief != DetailedReplies().satisfied(text)
     assert judge_examples(5, "test", seed=2)[0].ctx == judge_examples(5, "test", seed=2)[0].ctx
+
+
+def test_no_rule_that_reads_only_the_reply_can_give_the_labels():
+    """The label is what the user said, not something the reply shows: the two trivial rules
+    (brief is good, detailed is good) and every threshold on the reply's word count score
+    chance on the ±1 examples, and the same reply gets both labels."""
+    examples = [e for e in judge_examples(2000, "train", seed=3) if e.label]
+    rules = reply_rule_accuracy(examples)
+    for name, m in rules.items():
+        assert abs(m["balanced_acc_pm"] - 0.5) < 0.05, (name, m)
+    labels = [e.label for e in examples]
+    for k in range(1, 40):
+        for sign in (1, -1):
+            votes = [[sign if len(e.ctx.response_text.split()) <= k else -sign]
+                     for e in examples]
+            assert abs(label_metrics(labels, votes)["balanced_acc_pm"] - 0.5) < 0.06, (k, sign)
+    by_reply = collections.defaultdict(set)
+    for e in examples:
+        by_reply[e.ctx.response_text].add(e.label)
+    assert sum(len(v) == 2 for v in by_reply.values()) >= 3  # the canned replies, both ways
+    # a label that did follow the reply (the recipe before this one) is caught by the check
+    leaky = [1 if BriefReplies().satisfied(e.ctx.response_text) else -1 for e in examples]
+    assert label_metrics(leaky, [[1 if BriefReplies().satisfied(e.ctx.response_text) else -1]
+                                 for e in examples])["balanced_acc_pm"] == 1.0
 
 
 def test_label_metrics_counts_majorities_per_label():

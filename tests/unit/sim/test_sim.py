@@ -26,9 +26,10 @@ REPLIES = [REPLY_GREETING, REPLY_QUESTION, REPLY_OTHER, "", "  ", "Yes.",
 
 def sentiment(text: str) -> bool | None:
     """Whether ``text`` holds the users' approval (True), a complaint (False) or neither."""
-    low = text.lower()
-    said = {ok for ok in (True, False)
-            if any(w.lower() in low for w in PHRASINGS["users"].words(ok))}
+    low, p = text.lower(), PHRASINGS["users"]
+    words = {True: {*p.positive_openers, *p.positive_bodies},
+             False: {*p.negative_openers, *(b for bs in p.negative_bodies.values() for b in bs)}}
+    said = {ok for ok in (True, False) if any(w.lower() in low for w in words[ok])}
     assert len(said) < 2, text
     return said.pop() if said else None
 

@@ -115,12 +115,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         return run_demo_seeds(cfg, Path(args.out), args.seeds, iterations=args.iterations,
                               users=args.users, judge=args.judge, lockstep=args.lockstep,
-                              controls=tuple(args.controls))
+                              controls=tuple(args.controls), preference=args.preference)
     if len(args.controls) > 1:
         raise SystemExit("clawray demo: --controls with more than one arm needs --seeds")
     return run_demo(cfg, Path(args.out), iterations=args.iterations, users=args.users,
                     seed=args.seed, judge=args.judge, lockstep=args.lockstep,
-                    control=args.controls[0])
+                    control=args.controls[0], preference=args.preference)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -628,6 +628,8 @@ def main(argv: list[str] | None = None) -> int:
                            "model: the judge model of clawray judge-sft on a JudgeServer "
                            "(built once, ~25 min on 2 cores; not shown to read feedback: "
                            "docs/training.md)")
+            p.add_argument("--preference", choices=("brief", "detailed"), default="brief",
+                           help="what the simulated users want (their hidden preference)")
             p.add_argument("--lockstep", action="store_true",
                            help="the users play one session each, the trainer trains on "
                            "exactly those turns, and again: a run repeatable for its seed "

@@ -33,7 +33,7 @@ from clawray.apps.launch import start_serving
 from clawray.config import ClawRayConfig
 from clawray.models.loader import policy_model_info
 from clawray.sessions.pipeline import attach_live_pipeline
-from clawray.sim.preferences import BriefReplies
+from clawray.sim.preferences import get_preference
 from clawray.sim.users import SimUser, evaluate, make_client
 from clawray.stats import seed_stats
 from clawray.training.trainer import Trainer
@@ -242,7 +242,8 @@ def demo_arm(cfg: ClawRayConfig, control: str) -> str:
 
 def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, out: Path, *,
                  iterations: int, users: int, eval_n: int, seed: int, lockstep: bool = False,
-                 control: str = "none", log: Any = print) -> dict[str, Any]:
+                 control: str = "none", preference: str = "brief",
+                 log: Any = print) -> dict[str, Any]:
     """Evaluate on the held-out prompt pool, train from simulated live users (who send the
     training pool's requests and react in the wording their judge is meant for: the ``users``
     phrasing with a judge model, the heuristic's keywords with the keyword judge), evaluate
@@ -267,15 +268,17 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
     if control in ("shuffled_feedback", "reply_hidden"):
         cfg = cfg.copy_with(judge={"control": control})
     phrasing = users_phrasing(cfg)
+    pref = dataclasses.replace(get_preference(preference), phrasing=phrasing)
     started = time.monotonic()
-    before = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed, pool=EVAL_POOL))
+    before = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed, pool=EVAL_POOL,
+                                  preference=pref))
     log(f"clawray demo: before training, the users' preference is met by {before.rate:.1%} "
         f"of replies ({before.n} held-out evaluation requests, policy "
         f"v{max(before.policy_versions)})")
     if lockstep:  # a round's rows are one batch
         cfg = cfg.copy_with(training={"batch_size": users * ROWS_PER_SESSION, "min_batch": 1})
     trainer = Trainer(config=cfg.to_dict())
-    pool = UserPool(base_url, model, [(api_key, BriefReplies(phrasing=phrasing))] * users, seed,
+    pool = UserPool(base_url, model, [(api_key, pref)] * users, seed,
                     out / "interactions.jsonl")
     pipeline = attach_live_pipeline(cfg, cfg.training_cfg.app) if lockstep else None
     if not lockstep:
@@ -303,10 +306,13 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
     log(f"clawray demo: {judging['judged']} turns judged, {judging['unjudged']} unjudged, "
         f"{judging['no_next_state']} without a next state; {judging['judge_timeouts']} of "
         f"{judging['judge_calls']} judge calls timed out")
-    after = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed, pool=EVAL_POOL))
+    after = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed, pool=EVAL_POOL,
+                                 preference=pref))
     log(f"clawray demo: after {iterations} steps, {after.rate:.1%} "
         f"(policy v{max(after.policy_versions)}; before: {before.rate:.1%})")
-    experiment, arm = ("demo-lockstep" if lockstep else "demo-live"), demo_arm(cfg, control)
+    experiment = ("demo-lockstep" if lockstep else "demo-live") + (
+        "" if preference == "brief" else f"-{preference}")
+    arm = demo_arm(cfg, control)
     for metric, value in (("satisfaction_before", before.rate), ("satisfaction_after",
                                                                  after.rate),
                           ("satisfaction_change", after.rate - before.rate)):
@@ -314,7 +320,7 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
                       iterations=iterations)
     summary = {
         "seed": seed, "iterations": iterations, "users": users, "lockstep": lockstep,
-        "control": control, "experiment": experiment, "arm": arm,
+        "control": control, "experiment": experiment, "arm": arm, "preference": preference,
         "train_pool": "train", "eval_pool": EVAL_POOL, "users_phrasing": phrasing,
         "judge": judge_description(cfg),
         "before": {"rate": before.rate, "n": before.n, "per_type": before.per_type,
@@ -350,7 +356,8 @@ def plot_progress(summary: dict[str, Any], path: Path) -> None:
     a.axhline(summary["after"]["rate"], color="green", ls="--",
               label=f"eval after ({summary['after']['rate']:.0%})")
     a.set(xlabel="policy version (training step)", ylabel="preference satisfied",
-          ylim=(0, 1.02), title="Users get the brief replies they want")
+          ylim=(0, 1.02), title=f"Users get the {summary.get('preference', 'brief')} replies "
+          "they want")
     a.legend(loc="lower right")
     rewards = summary["reward_by_step"]
     b.plot(range(1, len(rewards) + 1), rewards, "o-", color="tab:orange")
@@ -363,7 +370,7 @@ def plot_progress(summary: dict[str, Any], path: Path) -> None:
 
 def run_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS, users: int = USERS,
              eval_n: int = EVAL_N, seed: int = SEED, judge: str = JUDGE,
-             lockstep: bool = False, control: str = "none") -> int:
+             lockstep: bool = False, control: str = "none", preference: str = "brief") -> int:
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("samples", "checkpoints"):  # a previous run's log would be trained on
         shutil.rmtree(out / stale, ignore_errors=True)
@@ -374,11 +381,12 @@ def run_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS, users:
     keys = cfg.serving_cfg.resolved_api_keys()
     model = policy_model_info(cfg).name
     print(f"clawray demo: serving {model} at {base_url} ({time.monotonic() - t0:.0f} s); "
-          f"{users} simulated users want brief replies (at most 8 words) and say so; judge: "
+          f"{users} simulated users: {get_preference(preference).describe()}, and they say "
+          f"so; judge: "
           f"{judge_description(cfg)}")
     summary = run_learning(cfg, base_url, keys[0] if keys else "none", model, out,
                            iterations=iterations, users=users, eval_n=eval_n, seed=seed,
-                           lockstep=lockstep, control=control)
+                           lockstep=lockstep, control=control, preference=preference)
     print(f"clawray demo: satisfaction {summary['before']['rate']:.1%} → "
           f"{summary['after']['rate']:.1%} on {summary['after']['n']} held-out evaluation "
           f"requests (prompt pool '{EVAL_POOL}', never sent by the training users); "

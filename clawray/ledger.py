@@ -47,12 +47,14 @@ def current_commit() -> str | None:
     try:
         head = subprocess.run(["git", "-C", str(_REPO), "rev-parse", "--short=12", "HEAD"],
                               capture_output=True, text=True, timeout=10, check=True).stdout
-        dirty = subprocess.run(["git", "-C", str(_REPO), "status", "--porcelain",
-                                "--untracked-files=no"], capture_output=True, text=True,
-                               timeout=10, check=True).stdout
+        changed = subprocess.run(["git", "-C", str(_REPO), "status", "--porcelain",
+                                  "--untracked-files=no"], capture_output=True, text=True,
+                                 timeout=10, check=True).stdout.splitlines()
     except (OSError, subprocess.SubprocessError):
         return None
-    return head.strip() + ("+dirty" if dirty.strip() else "")
+    # the ledger's own lines do not make the checkout dirty
+    dirty = [line for line in changed if not line.endswith("docs/results/ledger.jsonl")]
+    return head.strip() + ("+dirty" if dirty else "")
 
 
 def record(experiment: str, arm: str, seed: int, pool: str, metric: str, value: float, *,

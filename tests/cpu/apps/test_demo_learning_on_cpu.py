@@ -4,8 +4,9 @@ satisfaction rate on a fixed HELD-OUT evaluation set (side turns, seeded samplin
 prompt pool: templates and words no training user sends) must rise well beyond run-to-run
 noise. The same code path as ``clawray demo`` (``clawray.apps.demo.run_learning``), with the
 heuristic rule judge and users who speak its keywords (``BriefReplies(phrasing="keywords")``):
-this checks the loop's mechanics; what a judge model reading other wording achieves is
-measured by ``clawray judge-sft`` and ``clawray demo --seeds`` (docs/training.md).
+this checks the loop's mechanics (users, judge, samples, updates, sync, evaluation), not that
+the model learns from what users say: the shuffled-feedback control of ``clawray demo
+--controls`` rose nearly as much over five seeds (docs/training.md, "Controls").
 
 Lockstep (``run_learning(lockstep=True)``, ``clawray demo --lockstep``): each iteration the
 eight users play one session each, the trainer trains on exactly those turns and syncs, and

@@ -57,14 +57,16 @@ def _index(prompt: str) -> int:
 
 def test_at_most_max_inflight_turns_are_judged_and_waiting_does_not_count_toward_timeout():
     voter = _SlowVoter(delay=0.2)
-    # 12 turns of 0.2 s, two at a time: 1.2 s in all, past a 0.5 s timeout; no call times out
-    # because a turn's timeout starts when it is admitted.
-    pool = VoterPool([voter], JudgeConfig(m=3, max_inflight=2, timeout_s=0.5, retries=0),
+    # 20 turns of 0.2 s, two at a time: 2 s in all, twice a 1 s timeout; no call times out
+    # because a turn's timeout starts when it is admitted. (A call has five times its 0.2 s to
+    # finish: a loaded machine does not make it time out; counted from submission instead,
+    # the last turns would wait 1.8 s.)
+    pool = VoterPool([voter], JudgeConfig(m=3, max_inflight=2, timeout_s=1.0, retries=0),
                      ["rl"])
-    verdicts = _judge_all(pool, 12)
+    verdicts = _judge_all(pool, 20)
     assert voter.peak == 2
-    assert [v.status for v in verdicts] == ["judged"] * 12
-    assert pool.counters["timeouts"] == 0 and pool.counters["calls"] == 12
+    assert [v.status for v in verdicts] == ["judged"] * 20
+    assert pool.counters["timeouts"] == 0 and pool.counters["calls"] == 20
     assert pool.load() == {"running": 0, "waiting": 0}
 
 
@@ -81,13 +83,16 @@ def test_without_a_bound_the_same_load_times_out(monkeypatch):
             async with self.lock:
                 return await super()._complete(request, n)
 
+    # 8 calls of 0.2 s and a 1 s timeout: one at a time, each has five times its time; all at
+    # once, the fifth ends at 1 s at the earliest, so at least the last three time out (more
+    # on a slow machine).
     serial = _Serial(0.2)
-    bounded = VoterPool([serial], JudgeConfig(max_inflight=1, timeout_s=0.5, retries=0), ["rl"])
-    assert all(v.status == "judged" for v in _judge_all(bounded, 6))
+    bounded = VoterPool([serial], JudgeConfig(max_inflight=1, timeout_s=1.0, retries=0), ["rl"])
+    assert all(v.status == "judged" for v in _judge_all(bounded, 8))
     serial2 = _Serial(0.2)
-    unbounded = VoterPool([serial2], JudgeConfig(max_inflight=100, timeout_s=0.5, retries=0),
+    unbounded = VoterPool([serial2], JudgeConfig(max_inflight=100, timeout_s=1.0, retries=0),
                           ["rl"])
-    verdicts = _judge_all(unbounded, 6)
+    verdicts = _judge_all(unbounded, 8)
     assert sum(v.status == "unjudged" for v in verdicts) >= 3
     assert unbounded.counters["timeouts"] >= 3
 

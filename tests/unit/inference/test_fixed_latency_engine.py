@@ -69,10 +69,20 @@ async def test_stream_yields_one_delta_per_token_and_finishes_each_completion():
         assert [d.finish_reason for d in mine] == [None, None, "stop"]
 
 
+async def running(engine: FixedLatencyEngine, n: int = 1) -> None:
+    """Until ``n`` requests are in flight (a request counts itself as it starts, in the same
+    step that reads its policy version). The caller's next line runs before the loop does
+    anything else, so those requests are still in flight then, however slow the machine."""
+    deadline = time.monotonic() + 30
+    while (await engine.status()).running < n:
+        assert time.monotonic() < deadline, f"{n} request(s) never started"
+        await asyncio.sleep(0)
+
+
 async def test_weight_load_during_a_request_sets_policy_version_end():
     engine = FixedLatencyEngine(latency_s=0.1)
     task = asyncio.create_task(engine.generate([1], SamplingParams()))
-    await asyncio.sleep(0.02)
+    await running(engine)
     await engine.load_weights({}, policy_version=4)
     out = (await task)[0]
     later = (await engine.generate([1], SamplingParams()))[0]
@@ -89,7 +99,7 @@ async def test_pause_holds_requests_until_resume():
     st = await engine.status()
     assert st.paused and st.running == 1 and not task.done()
     await engine.resume()
-    await asyncio.wait_for(task, 1)
+    await asyncio.wait_for(task, 30)  # a deadline against a hang, not a time to beat
     assert (await engine.status()).running == 0
 
 
@@ -100,7 +110,7 @@ async def test_errors_overload_and_shutdown():
     with pytest.raises(EngineError, match="context window"):
         await engine.prompt_logprobs([1, 2], list(range(7)))
     first = asyncio.create_task(engine.generate([1], SamplingParams()))
-    await asyncio.sleep(0.01)
+    await running(engine)
     with pytest.raises(EngineOverloaded):
         await engine.generate([1], SamplingParams())
     first.cancel()

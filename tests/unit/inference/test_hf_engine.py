@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import threading
 import time
 
 import pytest
@@ -27,7 +28,8 @@ async def engine_of(model, **kw):
         await engine.shutdown()
 
 
-async def wait_for(predicate, timeout: float = 10.0) -> None:
+async def wait_for(predicate, timeout: float = 60.0) -> None:
+    """Until ``predicate()`` holds; a generous deadline against a hang, not a time to beat."""
     deadline = time.monotonic() + timeout
     while not await predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
@@ -330,13 +332,30 @@ async def _waiting_is(engine: HFEngine, n: int) -> bool:
 
 async def test_load_weights_mid_generation_sets_policy_version_end(tiny_qwen3):
     model = copy.deepcopy(tiny_qwen3)
+    g = torch.Generator().manual_seed(5)
     new_weights = {
-        k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items() if "mlp" in k
+        k: v + 0.05 * torch.randn(v.shape, generator=g)
+        for k, v in model.state_dict().items() if "mlp" in k
     }
+    # The scheduler thread generates on while the event loop gets to load_weights: on a busy
+    # machine it could reach the 400th token first. So its first decoding step (one input id
+    # per sequence; the prefill feeds the prompt) waits until the swap is queued: the swap
+    # lands between two steps of this request, however slow the machine.
+    queued = threading.Event()
+
+    def hold_first_decode(_module, args):
+        if args[0].shape[-1] == 1 and not queued.is_set():
+            assert queued.wait(60), "the weight swap was never queued"
+
+    hook = model.get_input_embeddings().register_forward_pre_hook(hold_first_decode)
     async with engine_of(model) as engine:
         stream = engine.generate_stream(PROMPT, SamplingParams(max_tokens=400, temperature=0.0))
         deltas = [await stream.__anext__()]
-        await engine.load_weights(new_weights, policy_version=1)
+        swap = asyncio.create_task(engine.load_weights(new_weights, policy_version=1))
+        await asyncio.sleep(0)  # the task runs first: load_weights has queued the swap
+        queued.set()
+        await swap
+        hook.remove()
         deltas += [d async for d in stream]
         after = (await engine.generate(PROMPT, GREEDY))[0]
         scored = await engine.prompt_logprobs(PROMPT, after.token_ids)
@@ -373,7 +392,7 @@ async def test_pause_holds_generation_and_resume_continues(tiny_qwen3):
         st = await engine.status()
         assert st.paused and not task.done() and st.extra["tokens_generated"] == 0
         await engine.resume()
-        out = await asyncio.wait_for(task, 10)
+        out = await asyncio.wait_for(task, 60)  # a deadline against a hang
     assert len(out[0].token_ids) == GREEDY.max_tokens
 
 

@@ -144,7 +144,7 @@ def test_parallel_rows_record_every_row_under_its_own_app_and_write_the_table(tm
     from clawray.apps import rla_table as experiment
 
     started: dict[str, str] = {}
-    barrier = threading.Barrier(len(ROWS), timeout=10)  # fails unless the rows run at once
+    barrier = threading.Barrier(len(ROWS), timeout=60)  # fails unless the rows run at once
 
     def fake_row(cfg, steps, tasks, contexts, before, log, t0):
         assert before is None and steps == SMALL.steps and len(tasks) == 2 * SMALL.eval_tasks

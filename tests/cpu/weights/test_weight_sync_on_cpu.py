@@ -164,11 +164,19 @@ def test_no_request_fails_while_weights_sync_back_to_back(weights_app, learner_m
             except Exception as e:  # counted, asserted below
                 errors.append(repr(e))
 
+    def until(condition, what: str, timeout_s: float = 120.0) -> None:
+        """The load runs until ``condition()``: counts, not seconds, however slow the machine
+        (the deadline only ends a hang)."""
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, (what, done[0], errors[:3])
+            time.sleep(0.1)
+
     threads = [threading.Thread(target=load, args=(w,)) for w in range(4)]
     for t in threads:
         t.start()
     try:
-        time.sleep(3.0)  # steady state first
+        until(lambda: len(latencies) >= 4, "steady-state requests before the first sync")
         control = get_app_control(weights_app.app)
         results = []
         for seed in range(10, 16):
@@ -177,12 +185,13 @@ def test_no_request_fails_while_weights_sync_back_to_back(weights_app, learner_m
             syncing.append((began, time.monotonic()))
             if seed == 12:  # the control actor crashes and restarts between two syncs
                 ray.kill(control, no_restart=False)
+        final = results[-1]["version"]
+        until(lambda: done[0] >= 10 and f"clawray-policy-v{final}" in versions,
+              "ten requests, the last version among their answers")
     finally:
-        time.sleep(0.5)
         stop.set()
         for t in threads:
             t.join(timeout=60)
-    final = results[-1]["version"]
     assert errors == [], errors[:5]
     assert done[0] >= 10
     assert all(set(r["replicas"].values()) == {r["version"]}
@@ -245,14 +254,16 @@ def test_bad_lora_payload_is_reported_and_the_next_one_applies(weights_app, lear
 
 
 def test_wait_replicas_names_a_replica_that_does_not_catch_up(ray_cluster):
-    control = AppControl.options(num_cpus=0).remote("unit", live_s=1.0)
+    # live_s 5: the replicas must still be live through the next five actor calls (0.3 s of
+    # them a timed wait), on a loaded machine too
+    control = AppControl.options(num_cpus=0).remote("unit", live_s=5.0)
     ray.get(control.report.remote("ok#1", 3))
     ray.get(control.report.remote("slow#2", 2, "version 3 (lora): WeightSyncError: bad"))
     with pytest.raises(TimeoutError, match=r"slow#2.*WeightSyncError"):
         ray.get(control.wait_replicas.remote(3, 0.3))
     ray.get(control.deregister.remote("slow#2"))
     assert ray.get(control.wait_replicas.remote(3, 0.3)) == {"ok#1": 3}
-    time.sleep(1.2)  # no poll, no report: no longer live
+    time.sleep(5.2)  # no poll, no report: no longer live
     with pytest.raises(TimeoutError, match="0 live"):
         ray.get(control.wait_replicas.remote(3, 0.3))
     with pytest.raises(ValueError, match="not newer"):
@@ -261,10 +272,12 @@ def test_wait_replicas_names_a_replica_that_does_not_catch_up(ray_cluster):
     t0 = time.monotonic()
     state = ray.get(control.wait_change.remote(3, True, 0.3))
     assert time.monotonic() - t0 >= 0.25 and state["version"] == 3
-    poll = control.wait_change.remote(3, True, 10.0)
+    # (a poll of 10 minutes: one that missed the change would not return within the generous
+    # 120 s the test waits, however slow the machine)
+    poll = control.wait_change.remote(3, True, 600.0)
     time.sleep(0.2)
     ray.get(control.set_collecting.remote(False))
-    assert ray.get(poll, timeout=5)["collecting"] is False
+    assert ray.get(poll, timeout=120)["collecting"] is False
     ray.kill(control)
 
 

@@ -31,7 +31,7 @@ def _start(ray, tmp_path, **cfg):
     name = f"buf-{uuid.uuid4().hex[:8]}"
     config = BufferConfig(path=str(tmp_path / "wal"), **cfg)
     actor = start_sample_buffer(config, name=name, namespace="clawray-tests")
-    assert ray.get(actor.ping.remote(), timeout=30) == "pong"
+    assert ray.get(actor.ping.remote(), timeout=120) == "pong"
     return actor, config
 
 
@@ -78,8 +78,10 @@ def producer_cls(ray_cluster):
 
 def _take_retrying(ray, actor, n: int, timeout_s: float, ack: bool = True):
     """A take (acknowledged at once, as a trainer does after its update) that waits out a
-    restart; the test kills only between takes."""
-    for _ in range(100):
+    restart (up to 120 s: a restart on a loaded machine can take tens of seconds); the test
+    kills only between takes."""
+    deadline = time.time() + 120
+    while time.time() < deadline:
         try:
             slices = ray.get(actor.take.remote(n, timeout_s))
             if ack and slices:
@@ -93,8 +95,8 @@ def _take_retrying(ray, actor, n: int, timeout_s: float, ack: bool = True):
 
 
 def _wait_restarted(ray, actor) -> None:
-    """Until a fresh process answers (its counters start at zero)."""
-    deadline = time.time() + 30
+    """Until a fresh process answers (its counters start at zero); 120 s at most."""
+    deadline = time.time() + 120
     while time.time() < deadline:
         try:
             if ray.get(actor.stats.remote(), timeout=5)["rows_taken"] == 0:
@@ -129,10 +131,10 @@ def test_take_waits_for_rows_and_hands_out_refs(ray_cluster, tmp_path):
     actor, _ = _start(ray, tmp_path, seal_rows=4, seal_age_s=0.05)
     try:
         assert ray.get(actor.take.remote(3, 0.0)) == []
-        waiting = actor.take.remote(6, 10.0)
+        waiting = actor.take.remote(6, 120.0)  # returns once 6 rows are there
         ray.get(actor.add.remote([_row(f"w-{i}") for i in range(4)]))
         ray.get(actor.add.remote([_row(f"w-{i}") for i in range(4, 8)]))
-        slices = ray.get(waiting, timeout=15)
+        slices = ray.get(waiting, timeout=180)
         table = fetch(slices, get=ray.get)
         assert table.column("sample_id").to_pylist() == [f"w-{i}" for i in range(6)]
         assert ray.get(actor.stats.remote())["available"] == 2
@@ -149,7 +151,7 @@ def test_kill_mid_stream_loses_nothing_and_duplicates_nothing(ray_cluster, tmp_p
         runs = [p.run.remote(20, 5) for p in producers]  # 200 rows in all
         taken: list[str] = []
         kills = 0
-        deadline = time.time() + 60
+        deadline = time.time() + 300  # ends a hang; the loop ends when the producers are done
         while time.time() < deadline:
             slices = _take_retrying(ray, actor, 7, 0.2)
             if slices:
@@ -204,12 +206,14 @@ def test_a_lease_never_acknowledged_is_delivered_again(ray_cluster, tmp_path):
     """A trainer that dies between take and update: its lease expires and the rows go to the
     next taker; acknowledged rows are consumed for good, across a restart of the buffer."""
     ray = ray_cluster
-    actor, _ = _start(ray, tmp_path, seal_rows=100, seal_age_s=0.05, lease_s=1.0)
+    # lease_s 5: the lease must still be open at the stats call after the take, on a loaded
+    # machine too
+    actor, _ = _start(ray, tmp_path, seal_rows=100, seal_age_s=0.05, lease_s=5.0)
     try:
         ray.get(actor.add.remote([_row(f"l-{i}") for i in range(6)]))
         lost = ray.get(actor.take.remote(4))  # the taker dies: never acknowledged
         assert ray.get(actor.stats.remote())["leased_rows"] == 4
-        again = ray.get(actor.take.remote(6, 10.0), timeout=20)  # waits for the expiry
+        again = ray.get(actor.take.remote(6, 120.0), timeout=180)  # waits for the expiry
         assert fetch(again, get=ray.get).column("sample_id").to_pylist() == [
             f"l-{i}" for i in range(6)]
         assert ray.get(actor.ack.remote([s.lease for s in lost])) == 0  # expired: nothing

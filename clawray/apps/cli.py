@@ -86,6 +86,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from clawray.apps.demo import run_demo
 
     cfg = _config(args)
+    if args.model:
+        cfg = cfg.copy_with(model={"path": args.model})
     if args.gate:
         from clawray.apps.gate_demo import combine, run_gate_demo
 
@@ -115,12 +117,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         return run_demo_seeds(cfg, Path(args.out), args.seeds, iterations=args.iterations,
                               users=args.users, judge=args.judge, lockstep=args.lockstep,
-                              controls=tuple(args.controls), preference=args.preference)
+                              controls=tuple(args.controls), preference=args.preference,
+                              eval_n=args.eval_n, eval_pool=args.eval_pool)
     if len(args.controls) > 1:
         raise SystemExit("clawray demo: --controls with more than one arm needs --seeds")
     return run_demo(cfg, Path(args.out), iterations=args.iterations, users=args.users,
                     seed=args.seed, judge=args.judge, lockstep=args.lockstep,
-                    control=args.controls[0], preference=args.preference)
+                    control=args.controls[0], preference=args.preference,
+                    eval_n=args.eval_n, eval_pool=args.eval_pool)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -618,9 +622,14 @@ def main(argv: list[str] | None = None) -> int:
                                 "(repeatable)")
         if name == "demo":
             from clawray.apps.demo import CONTROLS as DEMO_CONTROLS, ITERATIONS, JUDGE, SEED, USERS
+            from clawray.sim.preferences import PREFERENCES
 
+            p.add_argument("--model", help="the policy model (model.path): embedded:tiny "
+                           "(default), bundled:smollm2 or a Hugging Face folder; a real model "
+                           "trains LoRA adapters with its own demo settings (docs/models.md)")
             p.add_argument("--iterations", type=int, default=ITERATIONS)
-            p.add_argument("--users", type=int, default=USERS)
+            p.add_argument("--users", type=int,
+                           help=f"simulated users (default {USERS}; a real model: 4)")
             p.add_argument("--seed", type=int, default=SEED)
             p.add_argument("--judge", choices=("model", "heuristic"), default=JUDGE,
                            help="heuristic (default): the keyword rule judge, which reads "
@@ -628,8 +637,9 @@ def main(argv: list[str] | None = None) -> int:
                            "model: the judge model of clawray judge-sft on a JudgeServer "
                            "(built once, ~25 min on 2 cores; not shown to read feedback: "
                            "docs/training.md)")
-            p.add_argument("--preference", choices=("brief", "detailed"), default="brief",
-                           help="what the simulated users want (their hidden preference)")
+            p.add_argument("--preference", choices=sorted(PREFERENCES),
+                           help="what the simulated users want (their hidden preference; "
+                           "default brief, for a real model concise)")
             p.add_argument("--lockstep", action="store_true",
                            help="the users play one session each, the trainer trains on "
                            "exactly those turns, and again: a run repeatable for its seed "
@@ -662,11 +672,11 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--modes", nargs="+", default=["shared", "per_user"],
                            choices=["shared", "per_user"], help="--per-user: which to run")
             p.add_argument("--budget", type=int, help="--per-user, --gate: rows trained per run")
-            p.add_argument("--eval-n", type=int, help="--per-user: held-out requests per user; "
-                           "--gate: held-out requests")
+            p.add_argument("--eval-n", type=int, help="held-out evaluation requests (per user "
+                           "with --per-user)")
             p.add_argument("--eval-pool", default="test", choices=["validation", "test"],
-                           help="--per-user, --gate: 'validation' to choose settings, 'test' "
-                                "to report")
+                           help="the evaluation's prompt pool: 'validation' to choose "
+                                "settings, 'test' to report")
             p.add_argument("--lr", type=float, help="--per-user: the LoRA learning rate")
             p.add_argument("--kl", type=float, help="--per-user: the k3 KL weight to the base")
         p.set_defaults(fn=fn)

@@ -52,6 +52,31 @@ JUDGE = "heuristic"
 JUDGE_SFT = {"sft": {"steps": 400, "batch_size": 32}, "n_train": 4000}
 EVAL_POOL = "test"  # held-out requests (clawray/sim/users.py POOLS): no training user sends them
 SEED = 0
+# A real pretrained model (`--model bundled:smollm2` or a folder) instead of the embedded one:
+# LoRA adapters (vLLM serves each version as a LoRA request), no reference pass (the adapter is
+# the only change), shorter rounds (4 users: a LoRA step on SmolLM2 costs ~1 s per 100 tokens
+# on 2 cores), users at temperature 0.7 (at 1.0 SmolLM2-135M rambles), and the "concise"
+# preference: "brief" (8 words) is met by ~5% of SmolLM2's replies. The learning rate was
+# chosen on the validation pool (docs/models.md, "The live loop on it").
+REAL_MODEL = {"users": 4, "temperature": 0.7, "preference": "concise", "max_tokens": 32,
+              "eval_n": 60,
+              "config": {"training": {"lora_rank": 16, "lora_alpha": 32, "lr": 1e-3,
+                                      "loss": {"kl_coef": 0.0}},
+                         "inference": {"max_lora_rank": 16}}}
+
+
+def is_real_model(cfg: ClawRayConfig) -> bool:
+    """Anything but the embedded tiny model."""
+    return not str(cfg.model_cfg.path or "embedded:").startswith("embedded:")
+
+
+def run_defaults(cfg: ClawRayConfig) -> dict[str, Any]:
+    """The run's users, evaluation size, preference and sampling for ``cfg``'s model: the
+    embedded model's, or ``REAL_MODEL``'s."""
+    if is_real_model(cfg):
+        return {k: v for k, v in REAL_MODEL.items() if k != "config"}
+    return {"users": USERS, "eval_n": EVAL_N, "preference": "brief", "temperature": 1.0,
+            "max_tokens": 48}
 
 
 def demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED) -> ClawRayConfig:
@@ -60,9 +85,10 @@ def demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED) -> ClawRayConfi
     Measured on the embedded model (docs/training.md): without a KL term the tiny, very
     peaked policy drifts into gibberish within ~10 updates (pushing probability away from its
     canned replies spreads it over junk tokens); k3 KL to the initial weights at 0.5 keeps it
-    readable, and only samples at most one version old are trained on."""
-    return cfg.copy_with(
-        serving={"record_sink": ["hub"], "default_max_tokens": 48},
+    readable, and only samples at most one version old are trained on. A real model
+    (``is_real_model``) then gets ``REAL_MODEL["config"]``: LoRA, its learning rate, no KL."""
+    cfg = cfg.copy_with(
+        serving={"record_sink": ["hub"], "default_max_tokens": run_defaults(cfg)["max_tokens"]},
         sessions={"feedback_window_s": 0.0, "idle_timeout_s": 5.0, "flush_interval_s": 0.2},
         judge={"num_voters": 1},
         buffer={"path": str(out / "samples"), "seal_age_s": 0.2, "max_staleness": 1},
@@ -71,6 +97,7 @@ def demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED) -> ClawRayConfi
                   "zero_stage": 1, "learner_num_cpus": 0.5, "seed": seed,
                   "checkpoint_dir": str(out / "checkpoints"),
                   "metrics_path": str(out / "metrics.jsonl")})
+    return cfg.copy_with(**REAL_MODEL["config"]) if is_real_model(cfg) else cfg
 
 
 def users_phrasing(cfg: ClawRayConfig) -> str:
@@ -127,9 +154,11 @@ class UserPool:
     depends on how fast training runs)."""
 
     def __init__(self, base_url: str, model: str, members: list[tuple[str, Any]], seed: int,
-                 log_path: Path, type_weights: dict[str, float] | None = None) -> None:
+                 log_path: Path, type_weights: dict[str, float] | None = None,
+                 temperature: float = 1.0, max_tokens: int = 48) -> None:
         self.base_url, self.model, self.members, self.seed = base_url, model, members, seed
         self.type_weights = type_weights
+        self.temperature, self.max_tokens = temperature, max_tokens
         self.interactions: list[Any] = []
         self._log = log_path.open("w")
         self._stop = threading.Event()
@@ -159,7 +188,8 @@ class UserPool:
                 SimUser(i, self._clients[key], self.model, pref,
                         random.Random(f"{self.seed}/{i}"), turns_per_session=3,
                         run_tag=f"demo{self.seed}", on_interaction=self._record,
-                        type_weights=self.type_weights)
+                        type_weights=self.type_weights, temperature=self.temperature,
+                        max_tokens=self.max_tokens)
                 for i, (key, pref) in enumerate(self.members)]
         return self._users
 
@@ -242,7 +272,8 @@ def demo_arm(cfg: ClawRayConfig, control: str) -> str:
 
 def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, out: Path, *,
                  iterations: int, users: int, eval_n: int, seed: int, lockstep: bool = False,
-                 control: str = "none", preference: str = "brief",
+                 control: str = "none", preference: str = "brief", eval_pool: str = EVAL_POOL,
+                 temperature: float = 1.0, max_tokens: int = 48,
                  log: Any = print) -> dict[str, Any]:
     """Evaluate on the held-out prompt pool, train from simulated live users (who send the
     training pool's requests and react in the wording their judge is meant for: the ``users``
@@ -254,6 +285,9 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
     then served by the version before it and every batch holds the same rows whatever the
     machine's speed: a run is repeatable for its seed (tests), which the live setting is not
     (request timing decides which turns form a batch).
+
+    ``eval_pool``: "test" to report, "validation" to choose settings. ``temperature`` and
+    ``max_tokens``: the users' and the evaluation's sampling.
 
     ``control`` (``CONTROLS``; docs/training.md, "Controls"): ``shuffled_feedback`` and
     ``reply_hidden`` are the judge's (``judge.control``); ``no_training`` plays the same rounds
@@ -270,8 +304,9 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
     phrasing = users_phrasing(cfg)
     pref = dataclasses.replace(get_preference(preference), phrasing=phrasing)
     started = time.monotonic()
-    before = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed, pool=EVAL_POOL,
-                                  preference=pref))
+    sampling = {"temperature": temperature, "max_tokens": max_tokens}
+    before = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed, pool=eval_pool,
+                                  preference=pref, **sampling))
     log(f"clawray demo: before training, the users' preference is met by {before.rate:.1%} "
         f"of replies ({before.n} held-out evaluation requests, policy "
         f"v{max(before.policy_versions)})")
@@ -279,7 +314,7 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
         cfg = cfg.copy_with(training={"batch_size": users * ROWS_PER_SESSION, "min_batch": 1})
     trainer = Trainer(config=cfg.to_dict())
     pool = UserPool(base_url, model, [(api_key, pref)] * users, seed,
-                    out / "interactions.jsonl")
+                    out / "interactions.jsonl", **sampling)
     pipeline = attach_live_pipeline(cfg, cfg.training_cfg.app) if lockstep else None
     if not lockstep:
         pool.start()
@@ -306,22 +341,24 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
     log(f"clawray demo: {judging['judged']} turns judged, {judging['unjudged']} unjudged, "
         f"{judging['no_next_state']} without a next state; {judging['judge_timeouts']} of "
         f"{judging['judge_calls']} judge calls timed out")
-    after = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed, pool=EVAL_POOL,
-                                 preference=pref))
+    after = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed, pool=eval_pool,
+                                 preference=pref, **sampling))
     log(f"clawray demo: after {iterations} steps, {after.rate:.1%} "
         f"(policy v{max(after.policy_versions)}; before: {before.rate:.1%})")
     experiment = ("demo-lockstep" if lockstep else "demo-live") + (
-        "" if preference == "brief" else f"-{preference}")
+        "" if preference == "brief" else f"-{preference}") + (
+        f"-{model}" if is_real_model(cfg) else "")
     arm = demo_arm(cfg, control)
     for metric, value in (("satisfaction_before", before.rate), ("satisfaction_after",
                                                                  after.rate),
                           ("satisfaction_change", after.rate - before.rate)):
-        ledger.record(experiment, arm, seed, EVAL_POOL, metric, value, n=after.n,
+        ledger.record(experiment, arm, seed, eval_pool, metric, value, n=after.n,
                       iterations=iterations)
     summary = {
         "seed": seed, "iterations": iterations, "users": users, "lockstep": lockstep,
         "control": control, "experiment": experiment, "arm": arm, "preference": preference,
-        "train_pool": "train", "eval_pool": EVAL_POOL, "users_phrasing": phrasing,
+        "train_pool": "train", "eval_pool": eval_pool, "users_phrasing": phrasing,
+        "model": model, "temperature": temperature, "max_tokens": max_tokens,
         "judge": judge_description(cfg),
         "before": {"rate": before.rate, "n": before.n, "per_type": before.per_type,
                    "policy_versions": before.policy_versions},
@@ -368,9 +405,16 @@ def plot_progress(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def run_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS, users: int = USERS,
-             eval_n: int = EVAL_N, seed: int = SEED, judge: str = JUDGE,
-             lockstep: bool = False, control: str = "none", preference: str = "brief") -> int:
+def run_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
+             users: int | None = None, eval_n: int | None = None, seed: int = SEED,
+             judge: str = JUDGE, lockstep: bool = False, control: str = "none",
+             preference: str | None = None, eval_pool: str = EVAL_POOL) -> int:
+    """One run; ``users``, ``eval_n`` and ``preference`` default to the embedded model's
+    settings, or ``REAL_MODEL``'s when ``cfg`` names another model."""
+    base = run_defaults(cfg)
+    users = users or base["users"]
+    eval_n = eval_n or base["eval_n"]
+    preference = preference or base["preference"]
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("samples", "checkpoints"):  # a previous run's log would be trained on
         shutil.rmtree(out / stale, ignore_errors=True)
@@ -386,10 +430,12 @@ def run_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS, users:
           f"{judge_description(cfg)}")
     summary = run_learning(cfg, base_url, keys[0] if keys else "none", model, out,
                            iterations=iterations, users=users, eval_n=eval_n, seed=seed,
-                           lockstep=lockstep, control=control, preference=preference)
+                           lockstep=lockstep, control=control, preference=preference,
+                           eval_pool=eval_pool, temperature=base["temperature"],
+                           max_tokens=base["max_tokens"])
     print(f"clawray demo: satisfaction {summary['before']['rate']:.1%} → "
           f"{summary['after']['rate']:.1%} on {summary['after']['n']} held-out evaluation "
-          f"requests (prompt pool '{EVAL_POOL}', never sent by the training users); "
+          f"requests (prompt pool '{eval_pool}', never sent by the training users); "
           f"plot {out / 'progress.png'}, summary {out / 'summary.json'} "
           f"({time.monotonic() - t0:.0f} s in all)")
     if control != "none":  # a control is run to show what does not learn

@@ -112,8 +112,18 @@ class DetailedReplies:
         return react(self.phrasing, satisfied, reason_of(reply_text, too="short"), rng)
 
 
+def concise() -> BriefReplies:
+    """"Brief" for a real chat model: at most 20 words and 140 characters (one or two short
+    sentences). SmolLM2-135M-Instruct answers greetings in a few words about half the time and
+    questions and requests at length (30-45 words, cut at 48 tokens), so at most 8 words is
+    met by ~5% of its replies and nothing to learn from; measured base rates in
+    docs/models.md."""
+    return BriefReplies(max_words=20, max_chars=140, name="concise")
+
+
 PREFERENCES: dict[str, Callable[[], Preference]] = {"brief": BriefReplies,
-                                                    "detailed": DetailedReplies}
+                                                    "detailed": DetailedReplies,
+                                                    "concise": concise}
 
 
 def get_preference(name: str) -> Preference:

@@ -76,3 +76,26 @@ def test_run_learning_refuses_an_unknown_control_and_no_training_without_lockste
             run_learning(ClawRayConfig(), "http://127.0.0.1:1/v1", "k", "m", tmp_path,
                          iterations=1, users=1, eval_n=1, seed=0, lockstep=lockstep,
                          control=control)
+
+
+def test_a_real_model_gets_lora_its_own_rate_and_the_concise_preference(tmp_path):
+    from clawray.apps.demo import REAL_MODEL, demo_config, is_real_model, run_defaults
+    from clawray.config import ClawRayConfig
+    from clawray.sim.preferences import get_preference
+
+    tiny = demo_config(ClawRayConfig(), tmp_path)
+    assert not is_real_model(tiny) and tiny.training_cfg.lora_rank == 0
+    assert tiny.training_cfg.loss.kl_coef == 0.5 and run_defaults(tiny)["preference"] == "brief"
+    real = demo_config(ClawRayConfig().copy_with(model={"path": "bundled:smollm2"}), tmp_path,
+                       seed=3)
+    t = real.training_cfg
+    assert is_real_model(real) and (t.lora_rank, t.lr, t.loss.kl_coef, t.seed) == (16, 1e-3, 0, 3)
+    assert real.inference_cfg.max_lora_rank >= t.lora_rank  # vLLM serves the adapters
+    assert t.checkpoint_dir == str(tmp_path / "checkpoints")  # the demo's own settings stay
+    defaults = run_defaults(real)
+    assert defaults == {k: v for k, v in REAL_MODEL.items() if k != "config"}
+    assert real.serving_cfg.default_max_tokens == defaults["max_tokens"] == 32
+    concise = get_preference(defaults["preference"])
+    assert concise.satisfied("The capital of France is Paris.")
+    assert not concise.satisfied(" ".join(["word"] * 21))  # 21 words
+    assert not concise.satisfied("x" * 141) and not concise.satisfied("!!! ???")

@@ -174,6 +174,12 @@ class ServingConfig(_Section):
         "auto", description="Split a reply's <think>…</think> into reasoning_content (Chat "
         "Completions), a reasoning item (Responses), a thinking block (Messages). 'auto': when "
         "the tokenizer has <think> and </think> tokens; 'none': leave it in the content.")
+    tool_call_parser: str = Field(
+        "clawray", description="Who reads tool calls in a reply: 'clawray' (<tool_call> JSON "
+        "blocks, the markup of clawray's templates and Hermes/Qwen-style models; streamed per "
+        "call) or the name of one of vLLM's tool parsers (hermes, pythonic, llama3_json, "
+        "mistral, ...: a reply that may call tools is then parsed once complete). "
+        "docs/models.md, 'Tools'.")
     json_whitespace: int | None = Field(
         2, ge=1, description="Constrained JSON (response_format, tool-call arguments): the "
         "longest run of whitespace allowed between tokens (1 allows ', ' and ': '; None: any). "

@@ -52,13 +52,8 @@ from clawray.serve.turns import (
 from clawray.models.reasoning import OPEN as THINK_OPEN
 from clawray.models.reasoning import ReasoningParser, has_think_tokens, split_reasoning
 from clawray.models.segment_cache import SegmentCache
-from clawray.models.tool_calls import (
-    TOOL_CALL_END,
-    ContentDelta,
-    StreamingToolCallParser,
-    ToolCallEvent,
-    parse_tool_calls,
-)
+from clawray.models.tool_calls import TOOL_CALL_END, ContentDelta, ToolCallEvent
+from clawray.serve.tool_parsers import CLAWRAY_FORMAT, make_tool_format
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +87,8 @@ class PreparedTurn:
     client_stops: tuple[str, ...] = ()  # the client's stop strings (params.stop may add ours)
     reasoning: bool = False  # split <think>…</think> off the content
     starts_in_reasoning: bool = False  # the prompt ended inside an open <think>
+    tool_format: Any = CLAWRAY_FORMAT  # who reads tool calls (serve/tool_parsers.py)
+    one_call: bool = False  # parallel_tool_calls false: the first call only
     gate_side: tuple[str, str] | None = None  # (canary salt, side) while a canary runs
 
 
@@ -132,6 +129,7 @@ class ChatService:
         self._token_texts: dict[int, str] = {}
         self.reasoning = cfg.reasoning_parser == "think" or (
             cfg.reasoning_parser == "auto" and has_think_tokens(tokenizer))
+        self.tool_format = make_tool_format(cfg.tool_call_parser, tokenizer)
 
     def token_text(self, token_id: int) -> str:
         """One token's text (for log-probs), as the tokenizer decodes it alone."""
@@ -165,8 +163,11 @@ class ChatService:
         # One tool call at most: unless a constraint already ends the turn after one, generation
         # stops at the end of the first (its closing tag is kept in the text, unlike the
         # client's stop strings, so the call parses).
+        # A constrained call is written in clawray's markup whatever the model's own format.
+        tool_format = self.tool_format if constraint is None else CLAWRAY_FORMAT
         one_call = parse_tools and not req.parallel_tool_calls and constraint is None
-        stops = req.stop + ((TOOL_CALL_END,) if one_call else ())
+        stops = req.stop + ((TOOL_CALL_END,) if one_call and tool_format is CLAWRAY_FORMAT
+                            else ())
         room = self.max_model_len - len(prompt_ids)
         what = "messages" if req.prompt_ids is None else "prompt"
         if room < 1:
@@ -206,6 +207,8 @@ class ChatService:
             messages=messages,
             tools=tools,
             parse_tools=parse_tools,
+            tool_format=tool_format,
+            one_call=one_call,
             client_stops=req.stop,
             include_usage=req.include_usage,
             started_at=started_at,
@@ -269,7 +272,9 @@ class ChatService:
             reasoning = None
             if turn.reasoning:
                 reasoning, text = split_reasoning(text, turn.starts_in_reasoning)
-            content, calls = (parse_tool_calls(text) if turn.parse_tools else (text, []))
+            content, calls = (turn.tool_format.parse(text, turn.tools) if turn.parse_tools
+                              else (text, []))
+            calls = calls[:1] if turn.one_call else calls
             finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
             call_dicts = [_call_json(c) for c in calls]
             stop_string = out.stop_string if out.stop_string in turn.client_stops else None
@@ -452,7 +457,8 @@ class _ChoiceStream:
         self.index = index
         self.detok = IncrementalDetokenizer(tokenizer)
         self.cutter = StopCutter(turn.client_stops)
-        self.parser = StreamingToolCallParser() if turn.parse_tools else None
+        self.parser = turn.tool_format.stream(turn.tools) if turn.parse_tools else None
+        self.one_call = turn.one_call
         self.thinking = ReasoningParser(turn.starts_in_reasoning) if turn.reasoning else None
         self.reasoning = ""
         self.ids: list[int] = []
@@ -512,7 +518,7 @@ class _ChoiceStream:
             if isinstance(ev, ContentDelta) and ev.text:
                 self.content += ev.text
                 out.append(TextDelta(self.index, ev.text))
-            elif isinstance(ev, ToolCallEvent):
+            elif isinstance(ev, ToolCallEvent) and not (self.one_call and ev.index > 0):
                 call = _call_json(ev.call)
                 self.calls.append(call)
                 out.append(ToolCallDelta(self.index, ev.index, call))

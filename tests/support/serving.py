@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from tests.support.common import API_KEY, OTHER_KEY, Served, free_port
 
+# The idle timeout of test apps whose sessions all end with X-Session-Done. A turn is judged by
+# the user's next message only if that reaches the hub within the idle timeout of the turn
+# before; 2 s (these apps' old setting) is about one generation on a loaded two-core machine,
+# and a turn finalized without its next state trains on nothing. Nothing waits for it.
+DONE_SESSIONS_IDLE_S = 120
+
 
 def serve_app(name: str, route: str, tmp_path_factory, **inference) -> Served:
     """One clawray app on the shared Serve instance (started by the first call)."""

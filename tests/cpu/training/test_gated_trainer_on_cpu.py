@@ -12,7 +12,7 @@ import ray
 
 from clawray.config import ClawRayConfig
 from tests.support.common import API_KEY
-from tests.support.serving import chat_session, side_app
+from tests.support.serving import DONE_SESSIONS_IDLE_S, chat_session, side_app
 
 pytestmark = pytest.mark.ray
 APP = "gated"
@@ -27,7 +27,7 @@ def gated_app(served, tmp_path_factory):
            .serving(api_keys=[API_KEY], record_sink=["hub", "jsonl"], default_max_tokens=8,
                     replica_num_cpus=0.5,
                     records_path=str(tmp_path_factory.mktemp("gated-records") / "r.jsonl"))
-           .sessions(idle_timeout_s=2, feedback_window_s=0, flush_interval_s=0.1)
+           .sessions(idle_timeout_s=DONE_SESSIONS_IDLE_S, feedback_window_s=0, flush_interval_s=0.1)
            .judge(num_voters=1, timeout_s=20)
            .buffer(path=str(tmp_path_factory.mktemp("gated-samples")), seal_age_s=0.1,
                    lease_s=60)

@@ -15,7 +15,7 @@ import torch
 from clawray.config import ClawRayConfig
 from clawray.judging.opd import inject_hint
 from tests.support.common import API_KEY, Served
-from tests.support.serving import side_app
+from tests.support.serving import DONE_SESSIONS_IDLE_S, side_app
 
 pytestmark = pytest.mark.ray
 APP = "opd"
@@ -32,7 +32,7 @@ def opd_app(served, tmp_path_factory):
            .inference(engine="hf")
            .serving(api_keys=[API_KEY], record_sink=["hub"], default_max_tokens=12,
                     replica_num_cpus=0.5)
-           .sessions(idle_timeout_s=2, feedback_window_s=0, flush_interval_s=0.1,
+           .sessions(idle_timeout_s=DONE_SESSIONS_IDLE_S, feedback_window_s=0, flush_interval_s=0.1,
                      sample_kinds=["opd", "combine"])
            .judge(teacher="server", num_voters=1, timeout_s=60)
            .buffer(path=str(tmp_path_factory.mktemp("opd-samples")), seal_age_s=0.1,

@@ -11,7 +11,7 @@ import ray
 
 from clawray.config import ClawRayConfig
 from tests.support.common import API_KEY
-from tests.support.serving import chat_session, side_app
+from tests.support.serving import DONE_SESSIONS_IDLE_S, chat_session, side_app
 
 pytestmark = pytest.mark.ray
 APP = "per-user"
@@ -27,7 +27,7 @@ def per_user_app(served, tmp_path_factory):
            .inference(engine="hf", max_loras=4)
            .serving(api_keys=[API_KEY], trusted_app_tenants=[tenant_of_key(API_KEY)],
                     record_sink=["hub"], default_max_tokens=8, replica_num_cpus=0.5)
-           .sessions(idle_timeout_s=2, feedback_window_s=0, flush_interval_s=0.1)
+           .sessions(idle_timeout_s=DONE_SESSIONS_IDLE_S, feedback_window_s=0, flush_interval_s=0.1)
            .judge(num_voters=1, timeout_s=20)
            .buffer(path=str(tmp_path_factory.mktemp("per-user-samples")), seal_age_s=0.1,
                    lease_s=60)

@@ -20,6 +20,7 @@ import ray
 from clawray.config import ClawRayConfig
 from tests.support.common import API_KEY
 from tests.support.events import scalars_of
+from tests.support.serving import DONE_SESSIONS_IDLE_S
 
 pytestmark = pytest.mark.ray
 APP = "trainer-app"
@@ -55,7 +56,7 @@ def app(served, tmp_path_factory):
            .inference(engine="hf")
            .serving(api_keys=[API_KEY], record_sink=["hub"], default_max_tokens=10,
                     ingress_replicas=REPLICAS, replica_num_cpus=0.5)
-           .sessions(idle_timeout_s=2, feedback_window_s=0, flush_interval_s=0.1)
+           .sessions(idle_timeout_s=DONE_SESSIONS_IDLE_S, feedback_window_s=0, flush_interval_s=0.1)
            .judge(num_voters=1, timeout_s=20)
            # a short lease: a batch taken by a trainer that dies is delivered again soon
            .buffer(path=str(tmp_path_factory.mktemp("trainer-samples")), seal_age_s=0.1,

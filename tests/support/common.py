@@ -56,7 +56,7 @@ class Served:
 
         return attach_live_pipeline(self.config, self.app_name)
 
-    def samples(self, expected: int = 1, timeout_s: float = 30.0, where=None, **match):
+    def samples(self, expected: int = 1, timeout_s: float = 90.0, where=None, **match):
         """Sample rows in the WAL matching ``match`` (column=value) and ``where(row)`` if
         given, flushing the hubs until ``expected`` such rows are there or ``timeout_s``
         passed."""
@@ -78,8 +78,9 @@ class Served:
 
         return serve.get_app_handle(self.app_name)
 
-    def records(self, expected: int = 1, timeout_s: float = 20.0, **match):
-        """Records matching ``match`` (field=value), waiting until ``expected`` arrived."""
+    def records(self, expected: int = 1, timeout_s: float = 60.0, **match):
+        """Records matching ``match`` (field=value), waiting until ``expected`` arrived (the
+        deadlines of both waits only end a hang: each returns as soon as its rows are there)."""
         from clawray.records import read_jsonl_records
 
         deadline = time.time() + timeout_s

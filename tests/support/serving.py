@@ -32,7 +32,9 @@ def serve_app(name: str, route: str, tmp_path_factory, **inference) -> Served:
            .serving(api_keys=[API_KEY, OTHER_KEY], record_sink=["jsonl", "hub"], records_path=str(records),
                     max_body_bytes=400_000, max_tokens_limit=100_000, default_max_tokens=32,
                     trusted_app_tenants=[tenant_of_key(API_KEY)])
-           .sessions(num_hubs=2, idle_timeout_s=6, feedback_window_s=3, flush_interval_s=0.2)
+           # idle 20 s: a multi-turn test's next turn (a generation or two, a feedback call)
+           # must reach the hub within it on a loaded machine, or its turn is not judged
+           .sessions(num_hubs=2, idle_timeout_s=20, feedback_window_s=3, flush_interval_s=0.2)
            .judge(num_voters=2, timeout_s=20)
            .buffer(path=str(samples), seal_age_s=0.2))
     serve.run(build_app(cfg), name=name, route_prefix=route)

@@ -86,6 +86,18 @@ def vllm_args() -> dict[str, Any]:
 VLLM_ARGS = vllm_args()
 
 
+def fit_window(model: str) -> str:
+    """Every setup serves ``model`` (a folder) with the same window: MAX_MODEL_LEN or the
+    model's own positions, whichever is smaller (SmolLM2: 8,192); returns ``model``."""
+    positions = json.loads((Path(model) / "config.json").read_text()).get(
+        "max_position_embeddings", MAX_MODEL_LEN)
+    window = min(MAX_MODEL_LEN, positions)
+    VLLM_ARGS["max_model_len"] = window
+    if "max_num_batched_tokens" in VLLM_ARGS:
+        VLLM_ARGS["max_num_batched_tokens"] = window
+    return model
+
+
 # ------------------------------------------------------------------------------ servers
 
 
@@ -99,7 +111,8 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
         gpu = "gpu_memory_utilization" in VLLM_ARGS
         config = {"model": {"path": model, "served_name": SERVED_NAME,
                             "device": "cuda" if gpu else "cpu",
-                            "dtype": "auto" if gpu else "float32"},
+                            "dtype": "auto" if gpu else "float32",
+                            "max_model_len": VLLM_ARGS["max_model_len"]},
                   "inference": {"engine": engine, "max_running": MAX_SEQS,
                                 "kv_cache_gib": None if gpu else 1.0},
                   "serving": {"layout": "colocated", "record_sink": ["jsonl"],
@@ -356,7 +369,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from clawray.config import ClawRayConfig
     from clawray.models.loader import policy_model_info
 
-    model = str(policy_model_info(ClawRayConfig().model(path=args.model)).path)
+    model = fit_window(str(policy_model_info(ClawRayConfig().model(path=args.model)).path))
     levels = [int(c) for c in args.concurrency.split(",")]
     body = {**agent_turn(SERVED_NAME, args.max_tokens, stream=True), "temperature": 0}
     report: dict[str, Any] = {
@@ -414,7 +427,7 @@ def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
     from clawray.config import ClawRayConfig
     from clawray.models.loader import policy_model_info
 
-    model = str(policy_model_info(ClawRayConfig().model(path=args.model)).path)
+    model = fit_window(str(policy_model_info(ClawRayConfig().model(path=args.model)).path))
     names = args.setups.split(",")
     levels = [int(c) for c in args.concurrency.split(",")]
     body = {**agent_turn(SERVED_NAME, args.max_tokens, stream=True), "temperature": 0}

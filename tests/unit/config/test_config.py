@@ -132,6 +132,9 @@ def test_deployment_yamls_hold_valid_configs():
             assert cfg.training_cfg.mode == "rlanything" and cfg.rlanything_cfg.co_train_rm
         elif name == "gpu.yaml":
             assert cfg.inference_cfg.engine == "vllm" and cfg.serving_cfg.layout == "split"
+            # every other setting passes the cross-field checks (LoRA rank within vLLM's)
+            cfg.copy_with(model={"path": "embedded:tiny"}, judge={"model_path": None}).check()
+            assert cfg.training_cfg.lora_rank > 0
 
 
 def test_env_training_needs_runners_and_new_sections_reject_typos():

@@ -118,13 +118,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return run_demo_seeds(cfg, Path(args.out), args.seeds, iterations=args.iterations,
                               users=args.users, judge=args.judge, lockstep=args.lockstep,
                               controls=tuple(args.controls), preference=args.preference,
-                              eval_n=args.eval_n, eval_pool=args.eval_pool)
+                              eval_n=args.eval_n, eval_pool=args.eval_pool,
+                              overrides=tuple(args.set))
     if len(args.controls) > 1:
         raise SystemExit("clawray demo: --controls with more than one arm needs --seeds")
     return run_demo(cfg, Path(args.out), iterations=args.iterations, users=args.users,
                     seed=args.seed, judge=args.judge, lockstep=args.lockstep,
                     control=args.controls[0], preference=args.preference,
-                    eval_n=args.eval_n, eval_pool=args.eval_pool)
+                    eval_n=args.eval_n, eval_pool=args.eval_pool, overrides=tuple(args.set))
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -627,6 +628,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--model", help="the policy model (model.path): embedded:tiny "
                            "(default), bundled:smollm2 or a Hugging Face folder; a real model "
                            "trains LoRA adapters with its own demo settings (docs/models.md)")
+            p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                           help="override one of the demo's settings, applied last, e.g. "
+                                "training.lora_rank=0 (repeatable)")
             p.add_argument("--iterations", type=int, default=ITERATIONS)
             p.add_argument("--users", type=int,
                            help=f"simulated users (default {USERS}; a real model: 4)")

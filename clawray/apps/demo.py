@@ -30,7 +30,7 @@ from typing import Any
 
 from clawray import ledger
 from clawray.apps.launch import start_serving
-from clawray.config import ClawRayConfig
+from clawray.config import ClawRayConfig, apply_sets
 from clawray.models.loader import policy_model_info
 from clawray.sessions.pipeline import attach_live_pipeline
 from clawray.sim.preferences import get_preference
@@ -408,9 +408,11 @@ def plot_progress(summary: dict[str, Any], path: Path) -> None:
 def run_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
              users: int | None = None, eval_n: int | None = None, seed: int = SEED,
              judge: str = JUDGE, lockstep: bool = False, control: str = "none",
-             preference: str | None = None, eval_pool: str = EVAL_POOL) -> int:
+             preference: str | None = None, eval_pool: str = EVAL_POOL,
+             overrides: tuple[str, ...] = ()) -> int:
     """One run; ``users``, ``eval_n`` and ``preference`` default to the embedded model's
-    settings, or ``REAL_MODEL``'s when ``cfg`` names another model."""
+    settings, or ``REAL_MODEL``'s when ``cfg`` names another model; ``overrides``
+    (``section.key=value``) are applied last, over the demo's own settings."""
     base = run_defaults(cfg)
     users = users or base["users"]
     eval_n = eval_n or base["eval_n"]
@@ -420,7 +422,7 @@ def run_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
         shutil.rmtree(out / stale, ignore_errors=True)
     (out / "metrics.jsonl").unlink(missing_ok=True)
     t0 = time.monotonic()
-    cfg = with_judge(demo_config(cfg, out, seed), judge)
+    cfg = with_judge(apply_sets(demo_config(cfg, out, seed), list(overrides)), judge).check()
     base_url = start_serving(cfg, blocking=False)
     keys = cfg.serving_cfg.resolved_api_keys()
     model = policy_model_info(cfg).name

@@ -78,6 +78,30 @@ def record(experiment: str, arm: str, seed: int, pool: str, metric: str, value: 
     return line
 
 
+def before_after(metric: str, before: float | None, after: float | None, *,
+                 record_before: bool = True, **fields: Any) -> list[dict[str, Any]]:
+    """The lines of one measure taken before and after training: ``<metric>_before``,
+    ``<metric>_after`` and ``<metric>_change``, each with ``fields`` (experiment, arm, seed,
+    pool, n, extra fields). Only what was measured: no line for a None value (a change needs
+    both); ``record_before=False`` when this arm's "before" was measured in another's run (its
+    change is still paired against it)."""
+    lines = []
+    if before is not None and record_before:
+        lines.append({**fields, "metric": f"{metric}_before", "value": before})
+    if after is not None:
+        lines.append({**fields, "metric": f"{metric}_after", "value": after})
+    if before is not None and after is not None:
+        lines.append({**fields, "metric": f"{metric}_change", "value": after - before})
+    return lines
+
+
+def record_lines(lines: Iterable[dict[str, Any]], *, path: Path | None = None,
+                 command: str | None = None) -> list[dict[str, Any]]:
+    """``record`` each line (a dict of ``record``'s arguments and extra fields, as a tool's
+    ``ledger_lines`` makes them); the lines written."""
+    return [record(**line, command=command, path=path) for line in lines]
+
+
 def read(path: Path | None = None) -> list[dict[str, Any]]:
     """Every line of the ledger, in the order written (an absent ledger: none)."""
     target = path or ledger_path()

@@ -18,7 +18,9 @@ One seeded CPU run on the embedded tiny model:
    temperature with fixed seeds (the same weights give the same episodes; every step has its
    own seed) and ``EVAL_SAMPLES`` episodes per task;
 4. ``env_progress.png`` shows held-out success, training success and the curriculum's
-   sampled difficulty over time; ``env_summary.json`` and ``metrics.jsonl`` hold the numbers.
+   sampled difficulty over time; ``env_summary.json`` and ``metrics.jsonl`` hold the numbers;
+   every held-out evaluation goes to the ledger (``clawray.ledger``: experiment ``env-demo``,
+   the arm the ``--set`` overrides; ``ledger_lines``).
 
 ``--seeds 0 1 2`` runs it once per seed and summarizes the rises (``env_seeds.json``,
 ``env_seeds.png``).
@@ -36,6 +38,7 @@ import numpy as np
 import ray
 from ray import serve
 
+from clawray import ledger
 from clawray.apps.launch import init_local_ray
 from clawray.config import ClawRayConfig, apply_sets
 from clawray.serve.app import build_app
@@ -123,6 +126,29 @@ def run_env_learning(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS
                             "success_rate", "mean_difficulty")},
             "eval_max_difficulty": EVAL_MAX_DIFFICULTY,
             "sampler": cfg.curriculum_cfg.sampler}
+
+
+def env_arm(sets: list[str] | None) -> str:
+    """The run's arm on the ledger: ``default`` (the demo's settings) or its ``--set``
+    overrides, in the order given."""
+    return " ".join(sets) if sets else "default"
+
+
+def ledger_lines(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """One run's lines for the ledger (experiment ``env-demo``, arm ``env_arm``): held-out
+    success before training, after it and the change, and each evaluation in between as
+    ``success_iter<k>``; each line with the ``iteration`` it was measured at."""
+    fields = {"experiment": "env-demo", "arm": env_arm(summary.get("sets")),
+              "seed": summary["seed"], "pool": summary["eval_pool"],
+              "sft_seed": summary.get("sft_seed"), "iterations": summary["iterations"]}
+    before, after = summary["before"], summary["after"]
+    lines = [{**line, "iteration": (after if line["metric"] != "success_before"
+                                    else before)["iteration"]}
+             for line in ledger.before_after("success", before["success"], after["success"],
+                                             n=after["n"], **fields)]
+    lines += [{**fields, "metric": f"success_iter{e['iteration']}", "value": e["success"],
+               "n": e["n"], "iteration": e["iteration"]} for e in summary["evals"][1:-1]]
+    return lines
 
 
 def plot_env_progress(summary: dict[str, Any], path: Path) -> None:
@@ -239,6 +265,7 @@ def run_env_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
     summary.update(seed=seed, sft_seed=cfg.sft_cfg.seed, sets=sets or [], eval_pool=eval_pool,
                    iterations=iterations, sft=sft.info, seconds=time.monotonic() - t0)
     (out / "env_summary.json").write_text(json.dumps(summary, indent=2))
+    ledger.record_lines(ledger_lines(summary))
     plot_env_progress(summary, out / "env_progress.png")
     print(f"clawray env-demo: held-out success {summary['before']['success']:.1%} → "
           f"{summary['after']['success']:.1%} on {summary['after']['n']} tasks; plot "

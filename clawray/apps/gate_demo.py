@@ -18,7 +18,9 @@ Before and after, the users' satisfaction is measured on the held-out ``test`` p
 gate, the candidate pending at the end is set aside first, so "after" is what serves
 everyone). Reported per run: before/after, live satisfaction by serving version, user turns
 served by versions the gate abandoned, and the time from each abandoned version's publication
-to its rejection or rollback. Writes ``gate.json`` and ``gate.png`` into ``--out``.
+to its rejection or rollback. Writes ``gate.json`` and ``gate.png`` into ``--out``, and each
+run's figures to the ledger (``clawray.ledger``: experiment ``gate-demo``, arm
+``<scenario>/<nogate|gate-restart|gate-keep_line>``; ``ledger_lines``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from clawray import ledger
 from clawray.apps.demo import UserPool, demo_config
 from clawray.config import ClawRayConfig
 from clawray.sim.preferences import BriefReplies, DetailedReplies
@@ -146,7 +149,32 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, scenario: str, gated: 
                "judge": JUDGES[scenario], "gate": GATE if gated else None, **LORA, "kl": KL,
                "seconds": round(time.monotonic() - started, 1)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    ledger.record_lines(ledger_lines(summary))
     return summary
+
+
+def ledger_lines(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """One run's lines for the ledger (experiment ``gate-demo``, arm
+    ``<scenario>/<arm_name>``): the users' satisfaction before, after and the change on the
+    held-out pool; with a gate its decisions in numbers, measured on the live turns (pool
+    ``train``, the users' request pool): the versions it promoted and abandoned, and the share
+    of live turns that abandoned versions served."""
+    fields = {"experiment": "gate-demo", "seed": summary["seed"],
+              "arm": f"{summary['scenario']}/"
+                     f"{arm_name(summary['gated'], summary.get('on_reject') or ON_REJECT)}",
+              "budget": summary["budget"], "rows_trained": summary["rows_trained"]}
+    lines = ledger.before_after("satisfaction", summary["before"], summary["after"],
+                                pool=summary["eval_pool"], n=summary["eval_n"], **fields)
+    if summary["gated"]:
+        live = {**fields, "pool": "train", "measured_on": "live turns"}
+        promoted = {ev["version"] for ev in summary["events"] if ev["event"] == "promoted"}
+        lines += [{**live, "metric": "versions_promoted", "value": len(promoted), "n": None},
+                  {**live, "metric": "versions_abandoned", "value": len(summary["abandoned"]),
+                   "n": None}]
+        if summary["live_turns"]:
+            lines.append({**live, "metric": "abandoned_turn_share", "n": summary["live_turns"],
+                          "value": summary["turns_by_abandoned"] / summary["live_turns"]})
+    return lines
 
 
 def turns_by_version(pool: UserPool, events: list[dict[str, Any]]) -> dict[str, Any]:

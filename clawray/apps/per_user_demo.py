@@ -19,7 +19,8 @@ prompt pool (``--eval-pool validation`` for choosing settings), with that user's
 their own adapter serves them) and seeded sampling. Per group: the mean over its users; over
 seeds: mean and standard error. Writes ``per_user.json`` and ``per_user.png`` (held-out
 before/after per group and mode, and the live satisfaction of each group against the rows
-trained) into ``--out``.
+trained) into ``--out``, and each run's per-group before, after and change to the ledger
+(``clawray.ledger``: experiment ``per-user-demo``, arm ``<mode>/<group>``; ``ledger_lines``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from clawray import ledger
 from clawray.apps.demo import UserPool, demo_config, judge_description, users_phrasing, with_judge
 from clawray.config import ClawRayConfig
 from clawray.sim.preferences import BriefReplies, DetailedReplies, Preference
@@ -168,7 +170,27 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, mode: str,
                "user_errors": sum(x.error is not None for x in pool.interactions),
                "seconds": round(time.monotonic() - started, 1)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    ledger.record_lines(ledger_lines(summary))
     return summary
+
+
+def ledger_lines(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """One run's lines for the ledger: per user group its satisfaction before, after and the
+    change on the held-out pool (the mean of its users' rates; n: its users' requests).
+    Experiment ``per-user-demo`` (``-judge-model`` with the judge model), arm
+    ``<mode>/<group>``."""
+    keyword = str(summary["judge"]).startswith("function")
+    experiment = "per-user-demo" + ("" if keyword else "-judge-model")
+    lines = []
+    for group in GROUPS:
+        n = sum(u["n"] for u in summary["after"]["users"].values() if u["group"] == group)
+        lines += ledger.before_after(
+            "satisfaction", summary["before"]["groups"][group],
+            summary["after"]["groups"][group], experiment=experiment,
+            arm=f"{summary['mode']}/{group}", seed=summary["seed"], pool=summary["eval_pool"],
+            n=n or None, budget=summary["budget"], rows_trained=summary["rows_trained"],
+            lr=summary["lr"], kl_coef=summary["kl_coef"])
+    return lines
 
 
 def _rate(xs: list[Any]) -> float | None:

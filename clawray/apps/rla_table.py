@@ -20,7 +20,9 @@ measures, before and after:
 
 The "before" numbers are measured once per seed, in the first row: every row starts from the
 same weights, and both evaluations are seeded. Results: ``rla_table.json`` (everything),
-``rla_table.md`` (the table, mean and spread over seeds) and ``rla_table.png``.
+``rla_table.md`` (the table, mean and spread over seeds) and ``rla_table.png``; each row's
+held-out figures go to the ledger as the row finishes (``clawray.ledger``: experiment
+``rla-table``, the row as the arm; ``ledger_lines``).
 
 A ``Scale`` sets how big a run is: ``FULL`` (the default, the measured table; about 25 minutes
 per seed on 2 cores) or ``SMALL`` (short warm starts, 2 steps, small evaluations: the same
@@ -50,6 +52,7 @@ os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
+from clawray import ledger  # noqa: E402
 from clawray.apps.env_demo import env_demo_config  # noqa: E402
 from clawray.apps.launch import init_local_ray
 from clawray.config import ClawRayConfig
@@ -312,6 +315,9 @@ def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], rows: list[str] |
                            eval_pool=eval_pool,
                            scale=dataclasses.asdict(scale))
             (out / "rla_table.json").write_text(json.dumps(summary, indent=2))
+            # one after another, the seed's first row measures "before" for all of them
+            ledger.record_lines(ledger_lines(summary, row, seed,
+                                             None if parallel else rows[0]))
             return summary
 
         if parallel:
@@ -325,6 +331,55 @@ def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], rows: list[str] |
             summary = done(row, result)
     write_table(summary, out)
     return summary
+
+
+def experiment_name(summary: dict[str, Any]) -> str:
+    """The table's experiment on the ledger: ``rla-table`` at the full scale with clean RM
+    labels; otherwise the nearest named scale and what differs from it, and the label noise
+    (``rla-table-small``, ``rla-table-small-steps4``, ``rla-table-noise0.2``)."""
+    scale = summary["scale"]
+    named = {k: dataclasses.asdict(v) for k, v in SCALES.items()}
+    base = min(named, key=lambda k: sum(named[k][f] != scale.get(f) for f in named[k]))
+    name = "rla-table" + ("" if base == "full" else f"-{base}") + "".join(
+        f"-{f}{scale.get(f)}" for f in named[base] if named[base][f] != scale.get(f))
+    noise = summary.get("rm_label_noise") or 0.0
+    return name + (f"-noise{noise:g}" if noise != RM_LABEL_NOISE else "")
+
+
+def ledger_lines(summary: dict[str, Any], row: str, seed: int,
+                 before_from: str | None = None) -> list[dict[str, Any]]:
+    """One row's figures of one seed for the ledger (``experiment_name``, the row as the arm),
+    on the summary's evaluation pool: held-out success and the RM's balanced accuracy against
+    the step oracle, each before, after and the change; the RM's p₊ and p₋ and its balanced
+    accuracy against the trajectory outcome, before and after. Only what was measured (an RM
+    with no parseable scoring has no accuracy). ``before_from``: the row whose run measured
+    this seed's "before" when it is another row (rows run one after another share it): this
+    row then records no "before" of its own, and its changes name the row they pair with."""
+    r = summary["runs"][row][str(seed)]
+    measured_here = before_from in (None, row)
+    fields = {"experiment": experiment_name(summary), "arm": row, "seed": seed,
+              "pool": summary.get("eval_pool") or "test", "steps": summary["steps"],
+              "sft_seed": summary.get("sft_seed")}
+    if not measured_here:
+        fields["before_from"] = before_from
+    rm = {when: _rm(r[when]["rm"]) for when in ("before", "after")}
+    outcome = {when: _rm(r[when].get("rm_outcome") or {}) for when in ("before", "after")}
+    lines = ledger.before_after("success", r["before"]["success"], r["after"]["success"],
+                                record_before=measured_here, n=r["after"].get("episodes"),
+                                **fields)
+    lines += ledger.before_after("rm_balanced_acc", rm["before"]["balanced_acc"],
+                                 rm["after"]["balanced_acc"], record_before=measured_here,
+                                 n=rm["after"].get("n_steps"), **fields)
+    for when in ("before", "after"):
+        if when == "before" and not measured_here:
+            continue
+        for metric, m, key in (("rm_plus_acc", rm, "plus_acc"),
+                               ("rm_minus_acc", rm, "minus_acc"),
+                               ("rm_outcome_balanced_acc", outcome, "balanced_acc")):
+            if m[when].get(key) is not None:
+                lines.append({**fields, "metric": f"{metric}_{when}", "value": m[when][key],
+                              "n": m[when].get("n_steps")})
+    return lines
 
 
 # What a table's runs must share to be one table: the same warm starts, evaluation and scale.

@@ -54,3 +54,20 @@ def test_clawray_ledger_prints_the_table_and_says_when_there_is_none(tmp_path, c
     assert main(["ledger", "--path", str(path)]) == 0
     out = capsys.readouterr().out
     assert "1 evaluations" in out and "| demo | arm | rise | 1 | 0.250 (0.250 – 0.250) | 0 |" in out
+
+
+def test_before_after_lines_hold_only_what_was_measured_and_are_recorded_as_given(tmp_path):
+    common = {"experiment": "x", "arm": "a", "seed": 1, "pool": "validation", "n": 10}
+    lines = ledger.before_after("rate", 0.25, 0.5, steps=3, **common)
+    assert [(x["metric"], x["value"]) for x in lines] == [
+        ("rate_before", 0.25), ("rate_after", 0.5), ("rate_change", 0.25)]
+    assert all(x["steps"] == 3 and x["n"] == 10 for x in lines)
+    assert [x["metric"] for x in ledger.before_after("rate", 0.25, 0.5, record_before=False,
+                                                     **common)] == ["rate_after", "rate_change"]
+    assert [x["metric"] for x in ledger.before_after("rate", None, 0.5, **common)] == [
+        "rate_after"]  # no before measured: no before, no change
+    assert ledger.before_after("rate", 0.25, None, record_before=False, **common) == []
+    path = tmp_path / "l.jsonl"
+    written = ledger.record_lines(lines, path=path, command="clawray x")
+    assert ledger.read(path) == written and written[2]["command"] == "clawray x"
+    assert written[2]["pool"] == "validation" and written[2]["steps"] == 3

@@ -62,3 +62,24 @@ def test_seeds_are_summarized_by_their_rises_and_plotted(tmp_path):
     assert agg["seeds"][1]["curve"] == [[0, 0.2], [10, 0.25], [20, 0.1]]
     plot_seeds(agg, tmp_path / "s.png")
     assert (tmp_path / "s.png").stat().st_size > 10_000
+
+
+def test_every_held_out_evaluation_goes_to_the_ledger_with_its_iteration(tmp_path,
+                                                                         monkeypatch):
+    from clawray import ledger
+    from clawray.apps.env_demo import ledger_lines
+
+    path = tmp_path / "ledger.jsonl"
+    monkeypatch.setenv(ledger.LEDGER_ENV, str(path))
+    s = {**summary(1, [0.2, 0.25, 0.35]), "eval_pool": "validation", "iterations": 20,
+         "sft_seed": 0, "sets": []}
+    ledger.record_lines(ledger_lines(s))
+    lines = ledger.read(path)
+    got = {x["metric"]: (round(x["value"], 9), x["iteration"], x["n"]) for x in lines}
+    assert got == {"success_before": (0.2, 0, 200), "success_after": (0.35, 20, 200),
+                   "success_change": (0.15, 20, 200), "success_iter10": (0.25, 10, 200)}
+    assert {(x["experiment"], x["arm"], x["seed"], x["pool"], x["sft_seed"])
+            for x in lines} == {("env-demo", "default", 1, "validation", 0)}
+    s["sets"] = ["environments.step_weight=0", "environments.episode_weight=1"]
+    assert {x["arm"] for x in ledger_lines(s)} == {
+        "environments.step_weight=0 environments.episode_weight=1"}

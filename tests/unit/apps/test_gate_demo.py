@@ -125,3 +125,36 @@ def test_runs_made_one_by_one_combine_into_one_aggregate_and_plot(tmp_path):
     assert (tmp_path / "all" / "gate.png").stat().st_size > 0
     with pytest.raises(ValueError, match="no runs"):
         combine([], tmp_path / "none")
+
+
+def test_each_run_goes_to_the_ledger_with_the_gates_decisions_as_numbers(tmp_path):
+    from clawray import ledger
+    from clawray.apps.gate_demo import ledger_lines
+
+    def run(gated):
+        return {"seed": 2, "scenario": "poisoned", "gated": gated,
+                "on_reject": "restart" if gated else None, "budget": 768, "eval_pool": "test",
+                "eval_n": 120, "rows_trained": 768, "before": 0.6, "after": 0.45,
+                "events": [{"event": "candidate", "version": 1}, {"event": "promoted",
+                                                                  "version": 1},
+                           {"event": "rejected", "version": 2}],
+                "abandoned": [2, 3] if gated else [], "live_turns": 200,
+                "turns_by_abandoned": 50 if gated else 0}
+
+    path = tmp_path / "ledger.jsonl"
+    ledger.record_lines(ledger_lines(run(False)) + ledger_lines(run(True)), path=path)
+    got = {(x["arm"], x["pool"], x["metric"]): (round(x["value"], 9), x["n"])
+           for x in ledger.read(path)}
+    assert got == {
+        ("poisoned/nogate", "test", "satisfaction_before"): (0.6, 120),
+        ("poisoned/nogate", "test", "satisfaction_after"): (0.45, 120),
+        ("poisoned/nogate", "test", "satisfaction_change"): (-0.15, 120),
+        ("poisoned/gate-restart", "test", "satisfaction_before"): (0.6, 120),
+        ("poisoned/gate-restart", "test", "satisfaction_after"): (0.45, 120),
+        ("poisoned/gate-restart", "test", "satisfaction_change"): (-0.15, 120),
+        # the gate's decisions, on the live turns (the users' train pool)
+        ("poisoned/gate-restart", "train", "versions_promoted"): (1, None),
+        ("poisoned/gate-restart", "train", "versions_abandoned"): (2, None),
+        ("poisoned/gate-restart", "train", "abandoned_turn_share"): (0.25, 200)}
+    assert {x["experiment"] for x in ledger.read(path)} == {"gate-demo"}
+    assert all(x["seed"] == 2 and x["rows_trained"] == 768 for x in ledger.read(path))

@@ -55,3 +55,33 @@ def test_seeds_aggregate_per_mode_and_group_with_standard_errors(tmp_path):
     assert set(agg["modes"]["per_user"]["groups"]) == set(GROUPS)
     plot(agg, runs, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_each_group_of_each_mode_goes_to_the_ledger_before_after_and_change(tmp_path,
+                                                                             monkeypatch):
+    from clawray import ledger
+    from clawray.apps.per_user_demo import ledger_lines
+
+    path = tmp_path / "ledger.jsonl"
+    monkeypatch.setenv(ledger.LEDGER_ENV, str(path))
+    users = {f"{g}-{i}": {"group": g, "n": 60} for g in GROUPS for i in range(2)}
+    s = summary(3, "per_user", {"brief": 0.4, "detailed": 0.6}, {"brief": 0.7, "detailed": 0.5})
+    s.update(judge="function clawray.judging.rules:heuristic_judge", kl_coef=1.0,
+             eval_pool="validation")
+    s["after"]["users"] = users
+    ledger.record_lines(ledger_lines(s))
+    lines = ledger.read(path)
+    assert {(x["experiment"], x["arm"], x["seed"], x["pool"], x["n"]) for x in lines} == {
+        ("per-user-demo", f"per_user/{g}", 3, "validation", 120) for g in GROUPS}
+    got = {(x["arm"], x["metric"]): x["value"] for x in lines}
+    assert got == pytest.approx({
+        ("per_user/brief", "satisfaction_before"): 0.4,
+        ("per_user/brief", "satisfaction_after"): 0.7,
+        ("per_user/brief", "satisfaction_change"): 0.3,
+        ("per_user/detailed", "satisfaction_before"): 0.6,
+        ("per_user/detailed", "satisfaction_after"): 0.5,
+        ("per_user/detailed", "satisfaction_change"): -0.1})
+    assert len(lines) == 6 and lines[0]["budget"] == 100 and lines[0]["lr"] == 1e-3
+    s.update(judge="server judge-sft (m=3, T=0.6)", mode="shared")
+    assert {x["experiment"] for x in ledger_lines(s)} == {"per-user-demo-judge-model"}
+    assert {x["arm"] for x in ledger_lines(s)} == {"shared/brief", "shared/detailed"}

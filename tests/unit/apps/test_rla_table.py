@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from clawray import ledger
 from clawray.config import ClawRayConfig
 from clawray.apps.rla_table import (FULL, ROWS, SMALL, plot_table, summarize,
                                            table_config, table_markdown)
@@ -153,6 +154,7 @@ def test_parallel_rows_record_every_row_under_its_own_app_and_write_the_table(tm
         ok = 0.5 if cfg.rlanything_cfg.adapt_env else 0.25
         return run((0.2, ok), (0.6, 0.6), [0, 1 if cfg.rlanything_cfg.adapt_env else 0])
 
+    monkeypatch.setenv(ledger.LEDGER_ENV, str(tmp_path / "ledger.jsonl"))
     monkeypatch.setattr(experiment, "warm_starts", lambda *a, **k: ("/p", "/rm"))
     monkeypatch.setattr(experiment, "cluster", lambda *a, **k: contextlib.nullcontext())
     monkeypatch.setattr(experiment, "_run_row", fake_row)
@@ -169,6 +171,13 @@ def test_parallel_rows_record_every_row_under_its_own_app_and_write_the_table(tm
     saved = json.loads((tmp_path / "rla_table.json").read_text())
     assert list(saved["rows"]) == list(ROWS)
     assert "| policy+rm+env | 20.0 % | 50.0 % |" in (tmp_path / "rla_table.md").read_text()
+    # each row measured its own "before": all its figures are on the ledger, under its name
+    lines = ledger.read(tmp_path / "ledger.jsonl")
+    assert {(x["experiment"], x["seed"], x["pool"]) for x in lines} == {
+        ("rla-table-small", 0, "test")}
+    after = {x["arm"]: x["value"] for x in lines if x["metric"] == "success_after"}
+    assert after == {"policy": 0.25, "policy+rm": 0.25, "policy+rm+env": 0.5}
+    assert sum(x["metric"] == "success_before" for x in lines) == 3
 
 
 def table(runs: dict, **over) -> dict:
@@ -248,3 +257,64 @@ def test_per_seed_lines_give_rollouts_rm_rows_rewrites_and_both_rm_labels():
     # p+ = a, p- = a - 0.2 (run's convention); no outcome measure after: a dash
     assert ("| policy+rm+env | 2 | 18.5 % → 17.0 % | 20.0 % | 90 | 3 of 9 "
             "| 0.700 (0.80, 0.60) → 0.800 (0.90, 0.70) | 0.700 (0.60, 0.80) → - |") in md
+
+
+def test_rows_run_one_after_another_record_the_shared_before_once(tmp_path, monkeypatch):
+    """Sequential rows share the first row's "before": only that row records it; the others
+    record their after and changes paired with it, naming the row that measured it."""
+    import contextlib
+
+    from clawray.apps import rla_table as experiment
+
+    def fake_row(cfg, steps, tasks, contexts, before, log, t0):
+        r = run((0.2, 0.5 if cfg.rlanything_cfg.co_train_rm else 0.3), (0.7, 0.8), [0])
+        r["before"] = before or r["before"]
+        for when in ("before", "after"):
+            r[when]["episodes"], r[when]["rm"]["n_steps"] = 8, 40
+        if not cfg.rlanything_cfg.co_train_rm:  # against the outcome: after only
+            r["after"]["rm_outcome"] = {"plus_acc": 0.6, "minus_acc": 0.8, "n_steps": 30}
+        return r
+
+    path = tmp_path / "ledger.jsonl"
+    monkeypatch.setenv(ledger.LEDGER_ENV, str(path))
+    monkeypatch.setattr(experiment, "warm_starts", lambda *a, **k: ("/p", "/rm"))
+    monkeypatch.setattr(experiment, "cluster", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(experiment, "_run_row", fake_row)
+    monkeypatch.setattr(experiment, "held_out_tasks", lambda cfg, n, seed, pool: list(range(n)))
+    monkeypatch.setattr(experiment, "collect_steps", lambda *a: [])
+    experiment.run_table(ClawRayConfig(), tmp_path, [4], ["policy", "policy+rm"],
+                         scale=SMALL, log=lambda m: None, eval_pool="validation")
+    got = {(x["arm"], x["metric"]): (round(x["value"], 9), x["n"], x.get("before_from"))
+           for x in ledger.read(path)}
+    assert got == {
+        ("policy", "success_before"): (0.2, 8, None),
+        ("policy", "success_after"): (0.3, 8, None),
+        ("policy", "success_change"): (0.1, 8, None),
+        ("policy", "rm_balanced_acc_before"): (0.6, 40, None),
+        ("policy", "rm_balanced_acc_after"): (0.7, 40, None),
+        ("policy", "rm_balanced_acc_change"): (0.1, 40, None),
+        ("policy", "rm_plus_acc_before"): (0.7, 40, None),
+        ("policy", "rm_minus_acc_before"): (0.5, 40, None),
+        ("policy", "rm_plus_acc_after"): (0.8, 40, None),
+        ("policy", "rm_minus_acc_after"): (0.6, 40, None),
+        ("policy", "rm_outcome_balanced_acc_after"): (0.7, 30, None),
+        ("policy+rm", "success_after"): (0.5, 8, "policy"),
+        ("policy+rm", "success_change"): (0.3, 8, "policy"),
+        ("policy+rm", "rm_balanced_acc_after"): (0.7, 40, "policy"),
+        ("policy+rm", "rm_balanced_acc_change"): (0.1, 40, "policy"),
+        ("policy+rm", "rm_plus_acc_after"): (0.8, 40, "policy"),
+        ("policy+rm", "rm_minus_acc_after"): (0.6, 40, "policy")}
+    assert {(x["experiment"], x["seed"], x["pool"], x["steps"]) for x in ledger.read(path)} \
+        == {("rla-table-small", 4, "validation", SMALL.steps)}
+
+
+def test_the_experiment_names_the_scale_and_label_noise_so_runs_of_other_sizes_stay_apart():
+    from clawray.apps.rla_table import TINY, experiment_name
+
+    def name(scale, noise=0.0):
+        return experiment_name({"scale": dataclasses.asdict(scale), "rm_label_noise": noise})
+
+    assert name(FULL) == "rla-table" and name(TINY) == "rla-table-tiny"
+    assert name(dataclasses.replace(SMALL, steps=4)) == "rla-table-small-steps4"
+    assert name(dataclasses.replace(FULL, eval_tasks=50), 0.2) == \
+        "rla-table-eval_tasks50-noise0.2"

@@ -131,7 +131,7 @@ def reference_logprobs(model, prompt: list[int], response: list[int]) -> torch.T
         -1, torch.tensor(response).unsqueeze(-1)).squeeze(-1)
 
 
-async def idle(engine: Engine, timeout: float = 20.0) -> None:
+async def idle(engine: Engine, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         st = await engine.status()
@@ -525,12 +525,12 @@ async def test_zz_a_dead_vllm_engine_core_fails_requests_cleanly_and_fails_healt
     assert cores, [title(p) for p in psutil.Process().children(recursive=True)]
     for p in cores:
         p.kill()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while not (await engine.status()).extra["dead"]:
         assert time.monotonic() < deadline, "vLLM did not notice its engine core died"
         await asyncio.sleep(0.1)
     with pytest.raises(EngineUnavailable, match="dead"):
-        await asyncio.wait_for(engine.generate(PROMPT, GREEDY), 10)
+        await asyncio.wait_for(engine.generate(PROMPT, GREEDY), 60)  # fails, not hangs
     with pytest.raises(EngineUnavailable):
         engine.check_health()
 

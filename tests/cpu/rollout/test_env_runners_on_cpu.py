@@ -94,13 +94,14 @@ def test_a_killed_runner_is_replaced_and_its_leases_are_played_again(env_app):
     try:
         group.start()
         victim = next(iter(group.runners))
-        deadline = time.time() + 60
-        while time.time() < deadline:  # wait until the victim holds a lease mid-group
-            if ray.get(group.curriculum.open_leases.remote(victim)):
-                break
+        deadline = time.time() + 120
+        while not ray.get(group.curriculum.open_leases.remote(victim)):
+            # until the victim holds a lease mid-group (each of its two workers holds one from
+            # lease to report and leases again at once: it still holds one a moment later)
+            assert time.time() < deadline, "the runner never took a lease"
             time.sleep(0.1)
         ray.kill(group.runners[victim])
-        deadline = time.time() + 60
+        deadline = time.time() + 120
         replaced = []
         while not replaced and time.time() < deadline:
             replaced = group.poll()["replaced"]

@@ -36,7 +36,7 @@ def app(served, smollm2, tmp_path_factory):
     serve.delete(APP)
 
 
-def _record(path, session_id: str, timeout_s: float = 20.0):
+def _record(path, session_id: str, timeout_s: float = 60.0):
     """The turn recorded for ``session_id`` (records are written just after the reply)."""
     import time
 

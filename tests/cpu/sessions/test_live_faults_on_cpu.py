@@ -68,7 +68,7 @@ def test_hanging_judge_never_slows_users_and_turns_are_kept_unjudged(served, fau
     sid = f"hang-{uuid.uuid4().hex[:6]}"
     answered: list[float] = []
     hanging = _turns(bad, faulty.model, sid, 3, answered=answered)
-    rows = faulty.samples(expected=3, timeout_s=30, session_id=sid)
+    rows = faulty.samples(expected=3, timeout_s=90, session_id=sid)
     assert [(r["turn"], r["judge_status"], set(r["loss_mask"])) for r in rows] == [
         (1, "unjudged", {0}), (2, "unjudged", {0}), (3, "no_next_state", {0})]
     # Turn t's judge call starts when turn t + 1 arrives and ends (given up: 2 x 1.5 s) long
@@ -139,10 +139,18 @@ def test_killed_sample_buffer_loses_and_duplicates_nothing(served):
         except Exception as e:  # surfaced below
             errors.append(e)
 
+    from clawray.records import read_jsonl_records
+
+    ours = set(sids)
     threads = [threading.Thread(target=drive, args=(sids[i::3],)) for i in range(3)]
     for t in threads:
         t.start()
-    time.sleep(1.5)
+    # mid-stream by count, not after a fixed 1.5 s: 6 of the 24 turns served before the kill,
+    # the other 18 (six a thread, one after another) after it
+    deadline = time.time() + 120
+    while sum(r.session_id in ours for r in read_jsonl_records(served.records_path)) < 6:
+        assert time.time() < deadline and not errors, errors
+        time.sleep(0.2)
     pipe = served.pipeline()
     ray.kill(pipe.buffer, no_restart=False)  # crash it mid-stream; it restarts from its log
     for t in threads:
@@ -153,7 +161,6 @@ def test_killed_sample_buffer_loses_and_duplicates_nothing(served):
     assert len(expected) == 2 * len(sids)
     # Wait for this test's rows (the WAL holds the whole session's, so a count alone is met at
     # once): the hub resends what the killed buffer had not logged once the buffer is back.
-    ours = set(sids)
     rows = served.samples(expected=len(expected), timeout_s=60,
                           where=lambda r: r["session_id"] in ours)
     got = [r["sample_id"] for r in rows]

@@ -4,6 +4,7 @@ proxy, send every turn of a session to one replica."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 import openai
@@ -16,37 +17,71 @@ SESSIONS = 12
 TURNS = 3
 
 
-def check_sessions_stay_on_one_replica(served, app: str, prefix: str, status: Callable[[Any], Any],
-                                       replica_sessions: Callable[[Any], tuple[str, dict]]):
-    """Replay ``SESSIONS`` sessions of ``TURNS`` turns through the Serve proxy with
-    X-Session-Id, then read each replica's served sessions from its status (``status(handle)``
-    → a response; ``replica_sessions(result)`` → (replica id, {session key: requests}))."""
-    from ray import serve
-
-    from clawray.records import session_key
-    from clawray.serve.auth import tenant_of_key
-
-    client = openai.OpenAI(base_url=served.base_url.replace("/v1", f"/{app}/v1"),
-                           api_key=API_KEY, max_retries=0)
-    sessions = [f"{prefix}-{i}" for i in range(SESSIONS)]
-    for turn in range(TURNS):
-        for sid in sessions:
-            client.chat.completions.create(
-                model=served.model, max_tokens=2, extra_headers={"X-Session-Id": sid},
-                messages=[{"role": "user", "content": f"turn {turn} of {sid}"}])
+def _replicas(serve, status, replica_sessions) -> dict[str, dict[str, int]]:
+    """Each replica's id (``Deployment#unique_id``) and served sessions, from status calls:
+    they carry no session and reach either replica."""
     seen: dict[str, dict[str, int]] = {}
-    for _ in range(10):  # status calls carry no session: they reach either replica
+    for _ in range(10):
         for response in [status(serve) for _ in range(16)]:
             rid, counts = replica_sessions(response.result())
             seen[rid] = counts
         if len(seen) == 2:
             break
     assert len(seen) == 2, seen
+    return seen
+
+
+def spread_sessions(prefix: str, replicas: set[str], routing_key: Callable[[str], str]):
+    """``SESSIONS`` session ids, half of them preferred by each replica under the router's
+    rendezvous hashing (clawray/serve/routing.py), and the replica each prefers. Replica ids
+    are new on every run: twelve fixed ids would all go to one replica in one run of 2,048."""
+    from clawray.serve.routing import rendezvous_order
+
+    unique = {rid.split("#", 1)[1]: rid for rid in replicas}  # the router's ids
+    chosen: dict[str, str] = {}
+    per = dict.fromkeys(replicas, 0)
+    for i in itertools.count():
+        sid = f"{prefix}-{i}"
+        home = unique[rendezvous_order(routing_key(sid), list(unique))[0]]
+        if per[home] < SESSIONS // 2:
+            per[home] += 1
+            chosen[sid] = home
+        if len(chosen) == SESSIONS:
+            return chosen
+
+
+def check_sessions_stay_on_one_replica(served, app: str, prefix: str, status: Callable[[Any], Any],
+                                       replica_sessions: Callable[[Any], tuple[str, dict]],
+                                       routing_key: Callable[[str], str]):
+    """Replay ``SESSIONS`` sessions of ``TURNS`` turns through the Serve proxy with
+    X-Session-Id, then read each replica's served sessions from its status (``status(handle)``
+    → a response; ``replica_sessions(result)`` → (replica id, {session key: requests}));
+    ``routing_key(session id)`` is the key the router hashes."""
+    from ray import serve
+
+    client = openai.OpenAI(base_url=served.base_url.replace("/v1", f"/{app}/v1"),
+                           api_key=API_KEY, max_retries=0)
+    homes = spread_sessions(prefix, set(_replicas(serve, status, replica_sessions)),
+                            routing_key)
+    sessions = list(homes)
+    for turn in range(TURNS):
+        for sid in sessions:
+            client.chat.completions.create(
+                model=served.model, max_tokens=2, extra_headers={"X-Session-Id": sid},
+                messages=[{"role": "user", "content": f"turn {turn} of {sid}"}])
+    seen = _replicas(serve, status, replica_sessions)
     for sid in sessions:
-        key = session_key(tenant_of_key(API_KEY), None, sid)  # routed per tenant's session
+        key = tenant_session_key(sid)  # the replicas count a tenant's sessions
         holders = {rid: counts[key] for rid, counts in seen.items() if key in counts}
-        assert list(holders.values()) == [TURNS], (sid, seen)
+        assert holders == {homes[sid]: TURNS}, (sid, homes[sid], seen)  # its replica only
     assert all(seen.values())  # the sessions are spread, not all on one replica
+
+
+def tenant_session_key(sid: str) -> str:
+    from clawray.records import session_key
+    from clawray.serve.auth import tenant_of_key
+
+    return session_key(tenant_of_key(API_KEY), None, sid)
 
 
 def test_every_turn_of_a_session_lands_on_one_policy_replica(served, tmp_path_factory):
@@ -65,7 +100,8 @@ def test_every_turn_of_a_session_lands_on_one_policy_replica(served, tmp_path_fa
         check_sessions_stay_on_one_replica(
             served, app, "aff",
             lambda s: s.get_deployment_handle("PolicyServer", app_name=app).status.remote(),
-            lambda st: (st.extra["replica"], st.extra["sessions"]))
+            lambda st: (st.extra["replica"], st.extra["sessions"]),
+            tenant_session_key)  # the ingress passes the session key it resolved
     finally:
         serve.delete(app)
 
@@ -90,6 +126,7 @@ def test_colocated_replicas_keep_a_session_by_the_header_the_serve_proxy_reads(
         check_sessions_stay_on_one_replica(
             served, app, "col",
             lambda s: s.get_deployment_handle("Ingress", app_name=app).status.remote(),
-            lambda st: (st["replica"], st["sessions"]))
+            lambda st: (st["replica"], st["sessions"]),
+            lambda sid: sid)  # the proxy passes the X-Session-Id header as it came
     finally:
         serve.delete(app)

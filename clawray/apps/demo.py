@@ -85,11 +85,14 @@ def demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED) -> ClawRayConfi
     Measured on the embedded model (docs/training.md): without a KL term the tiny, very
     peaked policy drifts into gibberish within ~10 updates (pushing probability away from its
     canned replies spreads it over junk tokens); k3 KL to the initial weights at 0.5 keeps it
-    readable, and only samples at most one version old are trained on. A real model
+    readable, and only samples at most one version old are trained on. Every simulated session
+    ends with X-Session-Done, so the idle timeout only ends abandoned ones: at 5 s, a session
+    whose next reply took longer to generate lost its earlier turn's next state (24% of the
+    judged turns on SmolLM2 with 4 users on 2 cores: docs/models.md). A real model
     (``is_real_model``) then gets ``REAL_MODEL["config"]``: LoRA, its learning rate, no KL."""
     cfg = cfg.copy_with(
         serving={"record_sink": ["hub"], "default_max_tokens": run_defaults(cfg)["max_tokens"]},
-        sessions={"feedback_window_s": 0.0, "idle_timeout_s": 5.0, "flush_interval_s": 0.2},
+        sessions={"feedback_window_s": 0.0, "idle_timeout_s": 120.0, "flush_interval_s": 0.2},
         judge={"num_voters": 1},
         buffer={"path": str(out / "samples"), "seal_age_s": 0.2, "max_staleness": 1},
         training={"batch_size": 32, "lr": 1e-4, "loss": {"kl_coef": 0.5},

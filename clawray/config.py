@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import logging
 import os
 import re
 from pathlib import Path
@@ -699,6 +700,11 @@ class TrackingConfig(_Section):
         "default: a local SQLite store, mlflow.db beside the trainer's metrics.jsonl, with "
         "the artifacts in mlartifacts/ there.")
     mlflow_experiment: str = Field("clawray", description="MLflow experiment of the runs.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] | None = Field(
+        None, description="Level of clawray's own log lines (the 'clawray' logger) in every "
+        "process that loads this config: the CLI, the training job, the app's replicas. None: "
+        "the process decides (the CLI and the job show INFO; Serve replicas follow the "
+        "deployment's logging_config).")
 
     @field_validator("wandb_project")
     @classmethod
@@ -815,6 +821,12 @@ class ClawRayConfig(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, mode="json")
+
+    def apply_log_level(self) -> "ClawRayConfig":
+        """Set the 'clawray' logger to ``tracking.log_level`` in this process (when set)."""
+        if self.tracking_cfg.log_level is not None:
+            logging.getLogger("clawray").setLevel(self.tracking_cfg.log_level)
+        return self
 
     def copy_with(self, **sections: dict[str, Any]) -> "ClawRayConfig":
         data = self.to_dict()

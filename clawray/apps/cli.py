@@ -39,7 +39,7 @@ def _config(args: argparse.Namespace) -> ClawRayConfig:
         cfg.inference(engine="auto")
     if args.port:
         cfg.serving(port=args.port)
-    cfg.check()
+    cfg.check().apply_log_level()
     _prebuild(cfg)
     return cfg
 
@@ -138,7 +138,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_rm_sft(args: argparse.Namespace) -> int:
     from clawray.training.rm_sft import run_rm_sft
 
-    cfg = apply_sets(load_config(args.config), args.set).check()
+    cfg = apply_sets(load_config(args.config), args.set).check().apply_log_level()
     _prebuild(cfg)
     result = run_rm_sft(cfg, args.policy or cfg.model_cfg.path, force=args.force,
                         n_tasks=args.tasks, max_difficulty=args.max_difficulty,
@@ -169,7 +169,7 @@ def cmd_rm_sft(args: argparse.Namespace) -> int:
 def cmd_judge_sft(args: argparse.Namespace) -> int:
     from clawray.sim.judge_sft import EVAL_SPLITS, aggregate_builds, run_judge_sft
 
-    cfg = apply_sets(load_config(args.config), args.set).check()
+    cfg = apply_sets(load_config(args.config), args.set).check().apply_log_level()
     _prebuild(cfg)
     infos = []
     for seed in args.seeds or [cfg.sft_cfg.seed]:
@@ -218,7 +218,7 @@ def _print_judge_build(result: Any) -> None:
 def cmd_sft(args: argparse.Namespace) -> int:
     from clawray.training.sft import run_sft
 
-    cfg = apply_sets(load_config(args.config), args.set).check()
+    cfg = apply_sets(load_config(args.config), args.set).check().apply_log_level()
     _prebuild(cfg)
     result = run_sft(cfg, force=args.force)
     info = result.info
@@ -266,7 +266,7 @@ def cmd_rla_table(args: argparse.Namespace) -> int:
         print(table_markdown(summary))
         print(f"clawray rla-table: {args.out}/rla_table.json, rla_table.md, rla_table.png")
         return 0
-    cfg = apply_sets(load_config(args.config), args.set).check()
+    cfg = apply_sets(load_config(args.config), args.set).check().apply_log_level()
     _prebuild(cfg)
     if args.warm_starts_only:
         policy, rm = warm_starts(cfg, args.sft_seed, args.label_noise, SCALES[args.scale])

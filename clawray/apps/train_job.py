@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         saved_curriculum = Path(args.restore or "", "curriculum.json")
         if args.restore and saved_curriculum.is_file() and not cfg.curriculum_cfg.checkpoint_path:
             cfg.curriculum(checkpoint_path=str(saved_curriculum))
-        cfg.check()
+        cfg.check().apply_log_level()
     except ConfigError as e:
         print(f"clawray.train: {e}", file=sys.stderr)
         return 2

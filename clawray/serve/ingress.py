@@ -351,7 +351,8 @@ class Ingress:
                        judge_handle: Any = None) -> None:  # Serve awaits an async constructor
         # judge_handle only keeps a JudgeServer in the app; PRM voters look it up by name.
         app_name = serve.get_replica_context().app_name
-        self._core = IngressCore(ClawRayConfig.from_dict(config), policy_handle, app_name)
+        self._core = IngressCore(ClawRayConfig.from_dict(config).apply_log_level(),
+                                 policy_handle, app_name)
         if self._core.core is not None:  # colocated: the engine is here
             await self._core.core.warm_up()
 

@@ -143,7 +143,7 @@ class JudgeServer(JudgeCore):
     """
 
     def __init__(self, config: dict) -> None:
-        super().__init__(ClawRayConfig.from_dict(config))
+        super().__init__(ClawRayConfig.from_dict(config).apply_log_level())
         self.receiver: WeightReceiver | None = start_receiver(self.engine, channel=judge_channel)
 
     def __del__(self) -> None:  # Serve calls it on shutdown: stop polling, deregister

@@ -229,7 +229,7 @@ class PolicyServer(PolicyCore):
     """A Serve replica wrapping one engine (``split`` layout)."""
 
     async def __init__(self, config: dict) -> None:  # Serve awaits an async constructor
-        super().__init__(ClawRayConfig.from_dict(config))
+        super().__init__(ClawRayConfig.from_dict(config).apply_log_level())
         await self.warm_up()
 
     def __del__(self) -> None:  # Serve calls it on shutdown: stop polling, deregister

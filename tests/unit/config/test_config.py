@@ -182,3 +182,27 @@ def test_replica_resources_pin_replicas_and_refuse_builtin_or_negative_ones():
     for bad, why in (({"CPU": 2}, "replica_num_cpus"), ({"x": -1}, ">= 0")):
         with pytest.raises(ValueError, match=why):
             ClawRayConfig().serving(replica_resources=bad)
+
+
+def test_the_log_level_of_clawrays_lines_is_set_in_config(tmp_path):
+    import argparse
+    import logging
+
+    from clawray.apps.cli import _config
+
+    log = logging.getLogger("clawray")
+    before = log.level
+    try:
+        ClawRayConfig().apply_log_level()  # unset: the process decides
+        assert log.level == before
+        ClawRayConfig.from_dict({"tracking": {"log_level": "ERROR"}}).apply_log_level()
+        assert log.level == logging.ERROR and not log.isEnabledFor(logging.WARNING)
+        # the CLI's commands load their config through _config, which applies it
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text("tracking: {log_level: WARNING}\n")
+        _config(argparse.Namespace(config=str(cfg), port=None))
+        assert log.level == logging.WARNING
+        with pytest.raises(ConfigError, match="log_level"):
+            ClawRayConfig.from_dict({"tracking": {"log_level": "LOUD"}})
+    finally:
+        log.setLevel(before)

@@ -267,6 +267,11 @@ def wait_for_rows(pipeline: Any, n: int, timeout_s: float = 120.0) -> int:
 CONTROLS = ("none", "shuffled_feedback", "reply_hidden", "no_training")
 
 
+def judge_control_of(control: str) -> str:
+    """The ``judge.control`` the app must run for the demo's ``control``."""
+    return control if control in ("shuffled_feedback", "reply_hidden") else "none"
+
+
 def demo_arm(cfg: ClawRayConfig, control: str) -> str:
     """The demo's arm on the ledger: which judge, which control."""
     judge = "keyword-judge" if cfg.judge_cfg.backend == "function" else "judge-model"
@@ -302,8 +307,16 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
     if control == "no_training" and not lockstep:
         raise ValueError("control 'no_training' needs lockstep (the rounds it plays are the "
                          "trained arm's)")
-    if control in ("shuffled_feedback", "reply_hidden"):
-        cfg = cfg.copy_with(judge={"control": control})
+    judge_control = judge_control_of(control)
+    if cfg.judge_cfg.control != judge_control:
+        raise ValueError(f"control {control!r} needs the app started with judge.control="
+                         f"{judge_control!r} (its voters judge with it), not "
+                         f"{cfg.judge_cfg.control!r}: run_demo does that")
+    # The app's voters were configured when it started: check what they actually do.
+    running = attach_live_pipeline(cfg, cfg.training_cfg.app).judging()["judge_controls"]
+    if running != [judge_control]:
+        raise RuntimeError(f"control {control!r}: the app's judges run judge.control "
+                           f"{running}, not [{judge_control!r}]; restart the app with it")
     phrasing = users_phrasing(cfg)
     pref = dataclasses.replace(get_preference(preference), phrasing=phrasing)
     started = time.monotonic()
@@ -425,7 +438,9 @@ def run_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
         shutil.rmtree(out / stale, ignore_errors=True)
     (out / "metrics.jsonl").unlink(missing_ok=True)
     t0 = time.monotonic()
-    cfg = with_judge(apply_sets(demo_config(cfg, out, seed), list(overrides)), judge).check()
+    cfg = with_judge(apply_sets(demo_config(cfg, out, seed), list(overrides)), judge)
+    # A judge control acts in the app's voters, so the app starts with it (run_learning checks).
+    cfg = cfg.copy_with(judge={"control": judge_control_of(control)}).check()
     base_url = start_serving(cfg, blocking=False)
     keys = cfg.serving_cfg.resolved_api_keys()
     model = policy_model_info(cfg).name

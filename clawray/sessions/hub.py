@@ -132,7 +132,7 @@ class SessionHub:
                 "replayed": self.replayed,
                 "journaled": len(self.journal.live) if self.journal is not None else None,
                 "judging_tasks": len(self.judging), "judge_load": self.pool.load(),
-                "voters": dict(self.pool.counters)}
+                "voters": dict(self.pool.counters), "judge_control": self.pool.cfg.control}
 
     # ---- internals ----
     def _start(self) -> None:

@@ -53,13 +53,17 @@ class LivePipeline:
                     raise
                 time.sleep(0.2)
 
-    def judging(self, timeout_s: float = 30.0) -> dict[str, int]:
+    def judging(self, timeout_s: float = 30.0) -> dict[str, Any]:
         """How the app's turns were judged so far, summed over its hubs: the turns' outcomes
         (``judged``, ``unjudged``, ``no_next_state``, ...), the voters' calls (``calls``,
         ``timeouts``, ``call_failures``, ``shed``, ...) and the turns being judged or waiting
-        (``running``, ``waiting``), prefixed ``judge_``."""
-        total: dict[str, int] = {}
+        (``running``, ``waiting``), prefixed ``judge_``; ``judge_controls``: the hubs'
+        ``judge.control`` values (one, unless hubs differ)."""
+        total: dict[str, Any] = {}
         for st in ray.get([h.stats.remote() for h in self.hubs], timeout=timeout_s):
+            controls = total.setdefault("judge_controls", [])
+            if st.get("judge_control") not in controls:  # what the voters actually do
+                controls.append(st.get("judge_control"))
             for k in ("turns", "judge_jobs", "judged", "unjudged", "no_next_state"):
                 total[k] = total.get(k, 0) + int(st.get(k, 0))
             for k, v in [*st["voters"].items(), *st["judge_load"].items()]:

@@ -70,6 +70,7 @@ def test_live_users_satisfaction_rises_with_training(served, tmp_path):
     assert judging["judged"] > 0 and judging["unjudged"] == 0, judging
     # only each session's closing turn has no next state: every other turn reached its judge
     assert judging["no_next_state"] == 8 * ITERATIONS, judging
+    assert judging["judge_controls"] == ["none"], judging  # what the app's voters ran
     assert judging["judge_timeouts"] == 0 and judging["judge_calls"] >= judging["judged"], judging
     assert (tmp_path / "progress.png").stat().st_size > 10_000
     # the run's curves, read back by TensorBoard's own reader: one point per iteration

@@ -99,3 +99,20 @@ def test_a_real_model_gets_lora_its_own_rate_and_the_concise_preference(tmp_path
     assert concise.satisfied("The capital of France is Paris.")
     assert not concise.satisfied(" ".join(["word"] * 21))  # 21 words
     assert not concise.satisfied("x" * 141) and not concise.satisfied("!!! ???")
+
+
+def test_a_judge_control_must_be_the_one_the_apps_voters_run(tmp_path):
+    """The control acts in the app's voters, configured when the app started: run_learning
+    refuses a config whose judge.control is not the arm's (it once changed only its own copy,
+    and the "shuffled" arm was judged on its own feedback)."""
+    from clawray.apps.demo import judge_control_of, run_learning
+    from clawray.config import ClawRayConfig
+
+    assert [judge_control_of(c) for c in ("none", "shuffled_feedback", "reply_hidden",
+                                          "no_training")] == [
+        "none", "shuffled_feedback", "reply_hidden", "none"]
+    for control, cfg in (("shuffled_feedback", ClawRayConfig()),
+                         ("none", ClawRayConfig().judge(control="reply_hidden"))):
+        with pytest.raises(ValueError, match="needs the app started with judge.control"):
+            run_learning(cfg, "http://127.0.0.1:1/v1", "k", "m", tmp_path, iterations=1,
+                         users=1, eval_n=1, seed=0, lockstep=True, control=control)

@@ -112,10 +112,12 @@ def read(path: Path | None = None) -> list[dict[str, Any]]:
 
 def first_runs(lines: Iterable[dict[str, Any]], pool: str = "test") -> dict[tuple, Any]:
     """Per (experiment, arm, metric): the first registered value of each seed on ``pool``, the
-    later runs of those seeds, and over the first runs their mean and standard error."""
+    later runs of those seeds, and over the first runs their mean and standard error. A line
+    marked ``invalid`` (with the reason: the run did not measure what its arm says) stays in
+    the file and counts nowhere."""
     cells: dict[tuple, dict[str, Any]] = {}
     for line in lines:
-        if line["pool"] != pool:
+        if line["pool"] != pool or line.get("invalid"):
             continue
         cell = cells.setdefault((line["experiment"], line["arm"], line["metric"]),
                                 {"first": {}, "later": []})

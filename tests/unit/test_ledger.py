@@ -42,6 +42,12 @@ def test_the_first_run_of_each_seed_is_reported_and_later_runs_are_listed(tmp_pa
     assert [x["value"] for x in cell["later"]] == [0.9]
     table = ledger.table(ledger.read(path))
     assert "| demo | arm | rise | 3 | 0.200 ± 0.058 (0.100 – 0.300) | 1 |" in table
+    # a run marked invalid (it did not measure what its arm says) counts nowhere, and the
+    # next run of its seed is that seed's first
+    ledger.record("demo", "arm", 4, "test", "rise", 0.5, path=path, invalid="control not applied")
+    ledger.record("demo", "arm", 4, "test", "rise", 0.3, path=path)
+    (cell,) = ledger.first_runs(ledger.read(path)).values()
+    assert cell["first"][4]["value"] == 0.3 and len(cell["later"]) == 1
 
 
 def test_clawray_ledger_prints_the_table_and_says_when_there_is_none(tmp_path, capsys):

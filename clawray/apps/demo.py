@@ -57,7 +57,8 @@ SEED = 0
 # the only change), shorter rounds (4 users: a LoRA step on SmolLM2 costs ~1 s per 100 tokens
 # on 2 cores), users at temperature 0.7 (at 1.0 SmolLM2-135M rambles), and the "concise"
 # preference: "brief" (8 words) is met by ~5% of SmolLM2's replies. The learning rate was
-# chosen on the validation pool (docs/models.md, "The live loop on it").
+# chosen on the validation pool (docs/models.md, "The live loop on SmolLM2"). Without a KL
+# term the trained replies shrink to one-word nonsense: a KL weight is still to be chosen.
 REAL_MODEL = {"users": 4, "temperature": 0.7, "preference": "concise", "max_tokens": 32,
               "eval_n": 60,
               "config": {"training": {"lora_rank": 16, "lora_alpha": 32, "lr": 1e-3,
@@ -551,7 +552,7 @@ def plot_arms(aggs: dict[str, dict[str, Any]], path: Path) -> None:
     ax.set(xticks=range(len(aggs)), xticklabels=["trained" if c == "none" else c.replace("_", " ")
                                                  for c in aggs],
            ylabel="held-out satisfaction: after − before",
-           title=f"make demo arms, {max(a['runs'] for a in aggs.values())} seeds")
+           title=f"clawray demo arms, {max(a['runs'] for a in aggs.values())} seeds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

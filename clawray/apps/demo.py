@@ -314,7 +314,8 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
                          f"{judge_control!r} (its voters judge with it), not "
                          f"{cfg.judge_cfg.control!r}: run_demo does that")
     # The app's voters were configured when it started: check what they actually do.
-    running = attach_live_pipeline(cfg, cfg.training_cfg.app).judging()["judge_controls"]
+    app_pipeline = attach_live_pipeline(cfg, cfg.training_cfg.app)
+    running = app_pipeline.judging()["judge_controls"]
     if running != [judge_control]:
         raise RuntimeError(f"control {control!r}: the app's judges run judge.control "
                            f"{running}, not [{judge_control!r}]; restart the app with it")
@@ -332,7 +333,7 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
     trainer = Trainer(config=cfg.to_dict())
     pool = UserPool(base_url, model, [(api_key, pref)] * users, seed,
                     out / "interactions.jsonl", **sampling)
-    pipeline = attach_live_pipeline(cfg, cfg.training_cfg.app) if lockstep else None
+    pipeline = app_pipeline if lockstep else None
     if not lockstep:
         pool.start()
     results = []
@@ -354,7 +355,7 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
     finally:
         pool.stop()
         trainer.stop()
-    judging = attach_live_pipeline(cfg, cfg.training_cfg.app).judging()
+    judging = app_pipeline.judging()
     log(f"clawray demo: {judging['judged']} turns judged, {judging['unjudged']} unjudged, "
         f"{judging['no_next_state']} without a next state; {judging['judge_timeouts']} of "
         f"{judging['judge_calls']} judge calls timed out")

@@ -328,6 +328,10 @@ class JudgeConfig(_Section):
         "unjudged and counted as 'shed'. null: no bound.")
     opd_min_agree: int = Field(2, ge=1, description="Positive hint votes needed to use a hint.")
     hint_max_chars: int = Field(600, ge=1)
+    constrained: bool = Field(
+        True, description="A JudgeServer judge samples under a constraint (xgrammar): reasoning "
+        "then exactly one verdict box (OPD: and a hint), so no vote is lost to the parser "
+        "(judging/formats.py). Function and 'openai' judges are parsed as written.")
     hint_min_chars: int = Field(
         8, ge=1, description="Shorter hints are dropped ('ok', 'n/a': no instruction).")
     control: Literal["none", "shuffled_feedback", "reply_hidden"] = Field(

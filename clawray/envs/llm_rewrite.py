@@ -82,6 +82,22 @@ def build_rewrite_prompt(family: TaskFamily, task: Task, direction: Direction,
             {"role": "user", "content": user}]
 
 
+REASON_MAX_CHARS = 200  # the answer's "reason" sentence, for a constrained environment model
+
+
+def rewrite_schema(family: TaskFamily) -> dict[str, Any]:
+    """The JSON answer a rewrite ends with: one number per axis, within the axis's range, and
+    a reason (a judge backend that can be constrained writes exactly this: formats.py)."""
+    return {"type": "object", "additionalProperties": False, "required": ["params", "reason"],
+            "properties": {
+                "params": {"type": "array", "minItems": len(family.params),
+                           "maxItems": len(family.params),
+                           "prefixItems": [{"type": "number", "minimum": p.low,
+                                            "maximum": p.high} for p in family.params],
+                           "items": False},
+                "reason": {"type": "string", "maxLength": REASON_MAX_CHARS}}}
+
+
 def _last_params_object(text: str) -> dict[str, Any] | None:
     """The last top-level JSON object in ``text`` that has a ``"params"`` key."""
     decoder, found, i = json.JSONDecoder(), None, text.find("{")
@@ -196,7 +212,8 @@ class LLMRewriteFamily(TaskFamily):
                                         self.max_observation_chars)
         request = JudgeRequest(kind=REQUEST_KIND, messages=messages, context=TurnContext(
             history=[], request=messages[1:], response_text=None, response_tool_calls=[],
-            next_state=[]))
+            next_state=[]), answer_schema=rewrite_schema(self),
+            answer_chars=REASON_MAX_CHARS + 24 * len(self.params))
         raw: str | None
         try:
             texts = await self.backend.complete(request, self.n, self.temperature,

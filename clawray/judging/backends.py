@@ -19,6 +19,7 @@ import re
 from typing import Any, Protocol, runtime_checkable
 
 from clawray.config import JudgeConfig
+from clawray.judging.formats import output_format
 from clawray.judging.prompts import JudgeRequest
 
 
@@ -165,15 +166,21 @@ class ServerBackend:
     does not do that by itself: a cancelled awaiter leaves the request running on the replica.
     Before this, every timed-out judge call (and each of its retries) kept generating on the
     judge engine, so a judge that fell behind fell further behind.
+
+    With ``constrained`` (``judge.constrained``, the default) the JudgeServer's engine samples
+    each output in the shape its kind asks for (``formats.py``): reasoning, then one verdict
+    box, a hint or a JSON answer, so that no vote is lost to the parser.
     """
 
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
+    def __init__(self, handle: Any, constrained: bool = True, hint_max_chars: int = 600) -> None:
+        self.handle, self.constrained, self.hint_max_chars = handle, constrained, hint_max_chars
 
     async def complete(self, request: JudgeRequest, n: int, temperature: float,
                        max_tokens: int) -> list[str]:
+        fmt = (output_format(request, max_tokens, self.hint_max_chars) if self.constrained
+               else None)
         return await _cancellable(self.handle.judge.remote(request.messages, n, temperature,
-                                                           max_tokens))
+                                                           max_tokens, structural_tag=fmt))
 
     async def teacher_logprobs(self, messages: list[dict], tools: list[dict] | None,
                                response_ids: list[int]) -> list[float]:
@@ -227,9 +234,10 @@ def make_backend(cfg: JudgeConfig, server_handle: Any = None) -> JudgeBackend:
         backend = OpenAIBackend(cfg.url, os.environ.get(cfg.api_key_env), cfg.model,
                                 cfg.timeout_s)
     elif cfg.backend == "server":
-        return ServerBackend(server_handle)
+        return ServerBackend(server_handle, cfg.constrained, cfg.hint_max_chars)
     else:
         raise ValueError(f"unknown judge backend {cfg.backend!r}")
     if cfg.teacher == "server":
-        return TeacherFrom(backend, ServerBackend(server_handle))
+        return TeacherFrom(backend, ServerBackend(server_handle, cfg.constrained,
+                                                  cfg.hint_max_chars))
     return backend

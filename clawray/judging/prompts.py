@@ -52,9 +52,13 @@ class TurnContext:
 
 @dataclasses.dataclass
 class JudgeRequest:
-    kind: str  # "prm" | "opd"
+    kind: str  # "prm" | "opd" | "step_rm" | "env_rewrite"
     messages: list[dict[str, Any]]  # the rendered judge prompt (system + user)
     context: TurnContext
+    # The JSON object that ends the output, for kinds that answer with one (formats.py): a
+    # judge that can be constrained writes it to this schema; about answer_chars long.
+    answer_schema: dict[str, Any] | None = None
+    answer_chars: int = 0
 
 
 PRM_SYSTEM = f"""You are a process reward model. You judge ONE assistant turn of a conversation \

@@ -71,13 +71,16 @@ class JudgeCore:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def judge_samples(self, messages: list[dict[str, Any]], n: int, temperature: float,
-                            max_tokens: int, seed: int | None = None) -> list[dict[str, Any]]:
+                            max_tokens: int, seed: int | None = None,
+                            structural_tag: str | None = None) -> list[dict[str, Any]]:
         """``n`` judge outputs for the judge prompt ``messages``, from one engine call, each as
         ``{text, prompt_ids, token_ids, logprobs, finish_reason, policy_version,
         policy_version_end}``: the exact ids the judge sampled (``text`` is their decoding
         without special tokens) and the raw log-probs of those ids under the weights version
         ``policy_version`` (``policy_version_end`` when a weight swap happened mid-way). With a
-        ``seed`` the n samples are reproducible (evaluations); without one they are random."""
+        ``seed`` the n samples are reproducible (evaluations); without one they are random.
+        ``structural_tag``: the shape the outputs must take (judging/formats.py), enforced by
+        the engine's constrained decoding."""
         prompt_ids = await asyncio.to_thread(self.template, messages)
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
@@ -86,7 +89,7 @@ class JudgeCore:
                 f"window is {self.max_model_len}: shorten judge history (judge prompt "
                 "max_history_chars) or use a judge model with a longer context")
         params = SamplingParams(n=n, temperature=temperature, max_tokens=min(max_tokens, room),
-                                seed=seed)
+                                seed=seed, structural_tag=structural_tag)
         outputs = await self.engine.generate(prompt_ids, params)
         if len(outputs) != n:
             raise RuntimeError(f"the judge engine returned {len(outputs)} outputs for n={n}")
@@ -98,9 +101,10 @@ class JudgeCore:
                 for o in sorted(outputs, key=lambda o: o.index)]
 
     async def judge(self, messages: list[dict[str, Any]], n: int, temperature: float,
-                    max_tokens: int) -> list[str]:
+                    max_tokens: int, structural_tag: str | None = None) -> list[str]:
         """The texts of ``judge_samples`` (PRM votes, OPD hints)."""
-        return [s["text"] for s in await self.judge_samples(messages, n, temperature, max_tokens)]
+        return [s["text"] for s in await self.judge_samples(
+            messages, n, temperature, max_tokens, structural_tag=structural_tag)]
 
     async def teacher_logprobs(self, messages: list[dict[str, Any]],
                                tools: list[dict[str, Any]] | None,

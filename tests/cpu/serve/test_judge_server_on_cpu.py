@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 
 import pytest
@@ -16,7 +17,8 @@ from clawray.judging.backends import ServerBackend
 from clawray.serve.judge_server import JudgeCore, JudgeInputError, JudgeServer
 from clawray.judging.opd import inject_hint
 from clawray.learner.losses import opd_advantages
-from clawray.judging.parse import tally
+from clawray.judging.formats import hint_format, verdict_format
+from clawray.judging.parse import parse_hint_vote, tally
 from clawray.judging.prompts import TurnContext, build_judge_request
 
 TOOLS = [{"type": "function", "function": {
@@ -86,6 +88,24 @@ async def test_judge_samples_n_votes_from_one_engine_call(cfg, core):
     assert prompt_ids == manual_prompt_ids(core.tokenizer, req.messages)
     result = tally(outputs)  # the tiny model writes no verdicts: parse failures, score 0
     assert result.parse_failures + len(result.votes) == 3
+
+
+async def test_a_constrained_judge_ends_every_output_with_one_verdict(core):
+    """The untrained tiny model never writes a verdict box by itself; under the PRM format
+    (judge.constrained) every output it samples ends in one, and under the OPD format every
+    positive verdict carries a hint: no vote is lost to the parser."""
+    req = build_judge_request("prm", CTX)
+    free = tally(await core.judge(req.messages, 4, 1.0, 48))
+    assert free.parse_failures == 4  # the control: the same call unconstrained
+    outputs = await core.judge(req.messages, 4, 1.0, 48,
+                               structural_tag=verdict_format((1, -1, 0), 48))
+    result = tally(outputs)
+    assert result.parse_failures == 0 and len(result.votes) == 4, outputs
+    assert all(re.fullmatch(r"[^\\]*\\boxed\{(1|-1|0)\}", t) for t in outputs), outputs
+    hints = [parse_hint_vote(t) for t in await core.judge(
+        build_judge_request("opd", CTX).messages, 4, 1.0, 64,
+        structural_tag=hint_format(64, hint_max_chars=16))]
+    assert all(vote in (1, -1) and (hint is not None) == (vote == 1) for vote, hint in hints), hints
 
 
 async def test_judge_decodes_outputs_without_special_tokens(core):

@@ -21,6 +21,7 @@ from clawray.judging.backends import (
     make_backend,
     needs_server,
 )
+from clawray.judging.formats import hint_format, verdict_format
 from clawray.judging.parse import tally
 from clawray.judging.prompts import TurnContext, build_judge_request
 from tests.support.common import free_port
@@ -210,14 +211,15 @@ class _Method:
     def __init__(self, fn):
         self.fn = fn
 
-    async def remote(self, *args):
-        return self.fn(*args)
+    async def remote(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
 
 
 class FakeHandle:
     def __init__(self):
         self.calls = []
-        self.judge = _Method(lambda *a: self.calls.append(("judge", a)) or ["\\boxed{1}"] * a[1])
+        self.judge = _Method(lambda *a, **kw: self.calls.append(("judge", a, kw))
+                             or ["\\boxed{1}"] * a[1])
         self.teacher_logprobs = _Method(
             lambda *a: self.calls.append(("teacher", a)) or [-1.0] * len(a[2]))
 
@@ -229,8 +231,22 @@ async def test_server_backend_calls_the_handle_methods():
     assert await backend.complete(REQ, 2, 0.6, 32) == ["\\boxed{1}"] * 2
     msgs = [{"role": "user", "content": "x"}]
     assert await backend.teacher_logprobs(msgs, None, [3, 4]) == [-1.0, -1.0]
-    assert handle.calls == [("judge", (REQ.messages, 2, 0.6, 32)),
+    assert handle.calls == [("judge", (REQ.messages, 2, 0.6, 32),
+                             {"structural_tag": verdict_format((1, -1, 0), 32)}),
                             ("teacher", (msgs, None, [3, 4]))]
+
+
+async def test_an_unconstrained_server_judge_samples_free_text():
+    """judge.constrained=false: the JudgeServer samples as the model writes (the parser alone
+    reads the verdict); OPD hint requests get the hint format when constrained."""
+    handle = FakeHandle()
+    free = make_backend(JudgeConfig(backend="server", constrained=False), server_handle=handle)
+    await free.complete(REQ, 1, 0.6, 32)
+    constrained = make_backend(JudgeConfig(backend="server", hint_max_chars=50),
+                               server_handle=handle)
+    await constrained.complete(build_judge_request("opd", REQ.context), 1, 0.6, 32)
+    assert [c[2] for c in handle.calls] == [{"structural_tag": None},
+                                            {"structural_tag": hint_format(32, 50)}]
 
 
 class _Pending:
@@ -256,7 +272,7 @@ async def test_a_server_call_its_caller_gives_up_on_is_cancelled_on_the_server(m
     class Handle:
         def __getattr__(self, name):
             assert name == method
-            return type("M", (), {"remote": lambda _self, *a: pending.append(_Pending())
+            return type("M", (), {"remote": lambda _self, *a, **kw: pending.append(_Pending())
                                   or pending[-1]})()
 
     backend = ServerBackend(Handle())

@@ -248,7 +248,7 @@ def cmd_env_demo(args: argparse.Namespace) -> int:
 def cmd_rla_table(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from clawray.apps.rla_table import (SCALES, merge_tables, run_table, table_markdown,
+    from clawray.experiments.rla_table import (SCALES, merge_tables, run_table, table_markdown,
                                         warm_starts, write_table)
 
     if args.merge:
@@ -561,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None,
                    help="write judge_builds.json: each build's held-out figures, mean ± s.e.")
     p.set_defaults(fn=cmd_judge_sft)
-    from clawray.apps.rla_table import RM_LABEL_NOISE, ROWS, SCALES
+    from clawray.experiments.rla_table import RM_LABEL_NOISE, ROWS, SCALES
 
     p = sub.add_parser("rla-table", help="RLAnything's Table 1 on household tasks")
     p.add_argument("-c", "--config", help="clawray YAML (model:, inference: ...)")

@@ -38,7 +38,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("serve",),
     ("training",),
     ("sim",),
-    ("apps", "train", "cli"),  # commands; train and cli are shims for python -m
+    ("apps", "experiments", "train", "cli"),  # commands and experiments; train and cli are
+    # shims for python -m
 ]
 DOMAIN = ("envs", "curriculum", "rlanything", "sessions", "judging", "learner", "buffer",
           "weights", "gate")
@@ -50,6 +51,7 @@ RAY_FREE = ("clawray.config", "clawray.samples", "clawray.records", "clawray.fil
             "clawray.curriculum.samplers", "clawray.curriculum.core", "clawray.rlanything.core",
             "clawray.rlanything.steps", "clawray.rlanything.env_adapter",
             "clawray.envs.rollout", "clawray.judging.parse", "clawray.judging.prompts",
+            "clawray.judging.formats",
             "clawray.judging.step_rm", "clawray.gate.core", "clawray.gate.health",
             "clawray.training.tracking")
 

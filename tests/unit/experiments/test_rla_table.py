@@ -1,4 +1,4 @@
-"""``clawray rla-table`` (clawray/apps/rla_table.py): the rows' settings, the summary over seeds
+"""``clawray rla-table`` (clawray/experiments/rla_table.py): the rows' settings, the summary over seeds
 and the table, from hand-made run results (the runs themselves need minutes per step; their
 numbers are in docs/rlanything.md)."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from clawray import ledger
 from clawray.config import ClawRayConfig
-from clawray.apps.rla_table import (FULL, ROWS, SMALL, plot_table, summarize,
+from clawray.experiments.rla_table import (FULL, ROWS, SMALL, plot_table, summarize,
                                            table_config, table_markdown)
 
 
@@ -142,7 +142,7 @@ def test_parallel_rows_record_every_row_under_its_own_app_and_write_the_table(tm
     import contextlib
     import threading
 
-    from clawray.apps import rla_table as experiment
+    from clawray.experiments import rla_table as experiment
 
     started: dict[str, str] = {}
     barrier = threading.Barrier(len(ROWS), timeout=60)  # fails unless the rows run at once
@@ -190,7 +190,7 @@ def table(runs: dict, **over) -> dict:
 def test_merge_makes_one_table_of_rows_run_apart_and_pairs_them_per_seed(tmp_path):
     """The policy row run once, the RM rows later (``--rows``): one table, rows in the paper's
     order, each row against the policy row of its seed; the same run's times add up."""
-    from clawray.apps.rla_table import merge_tables
+    from clawray.experiments.rla_table import merge_tables
 
     policy = table({"policy": {"0": run((0.2, 0.3), (0.7, 0.7), [0]),
                                "1": run((0.1, 0.3), (0.6, 0.6), [0])}})
@@ -208,7 +208,7 @@ def test_merge_makes_one_table_of_rows_run_apart_and_pairs_them_per_seed(tmp_pat
 
 
 def test_merge_refuses_results_that_are_not_one_table_and_shows_unequal_befores():
-    from clawray.apps.rla_table import merge_tables
+    from clawray.experiments.rla_table import merge_tables
 
     a = table({"policy": {"0": run((0.2, 0.3), (0.7, 0.7), [0])}})
     b = table({"policy+rm": {"0": run((0.2, 0.3), (0.7, 0.7), [0])}})
@@ -264,7 +264,7 @@ def test_rows_run_one_after_another_record_the_shared_before_once(tmp_path, monk
     record their after and changes paired with it, naming the row that measured it."""
     import contextlib
 
-    from clawray.apps import rla_table as experiment
+    from clawray.experiments import rla_table as experiment
 
     def fake_row(cfg, steps, tasks, contexts, before, log, t0):
         r = run((0.2, 0.5 if cfg.rlanything_cfg.co_train_rm else 0.3), (0.7, 0.8), [0])
@@ -309,7 +309,7 @@ def test_rows_run_one_after_another_record_the_shared_before_once(tmp_path, monk
 
 
 def test_the_experiment_names_the_scale_and_label_noise_so_runs_of_other_sizes_stay_apart():
-    from clawray.apps.rla_table import TINY, experiment_name
+    from clawray.experiments.rla_table import TINY, experiment_name
 
     def name(scale, noise=0.0):
         return experiment_name({"scale": dataclasses.asdict(scale), "rm_label_noise": noise})

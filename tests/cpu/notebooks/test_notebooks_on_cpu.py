@@ -126,7 +126,7 @@ def test_rlanything_notebook_shows_theorem_1_step_advantages_adaptation_and_runs
     assert "warm starts ready" in rla_warm_starts
     # The live section at the scale whose warm starts tests/conftest.py built, and only its
     # last row (every phase: RM co-training and environment adaptation; the row switches are
-    # tested in tests/unit/apps/test_rla_table.py): all three cost the suite ~5 minutes.
+    # tested in tests/unit/experiments/test_rla_table.py): all three cost the suite ~5 minutes.
     monkeypatch.setenv("CLAWRAY_RLA_NOTEBOOK_SCALE", RLA_NOTEBOOK_SCALE)
     monkeypatch.setenv("CLAWRAY_RLA_NOTEBOOK_ROWS", "policy+rm+env")
     nb = execute("rlanything.ipynb", timeout_s=2 * CELL_TIMEOUT_S)  # Table 1 small: minutes

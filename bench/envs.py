@@ -494,6 +494,7 @@ def build_config(model_path: Path, tmp: str, args: argparse.Namespace) -> Any:
         buffer["seal_age_s"] = args.seal_age_s
         envs["buffer_seal_age_s"] = args.seal_age_s
     return (ClawRayConfig().model(path=str(model_path))
+            .inference(engine="hf")  # the engine bench/results/envs*.json were measured on
             .serving(record_sink=["none"], replica_num_cpus=args.replica_num_cpus)
             .buffer(**buffer)
             .environments(family=args.family, num_runners=1, runner_num_cpus=args.runner_num_cpus,

@@ -462,7 +462,7 @@ def measure_sync(core: Any, model_path: Path, batches: list, versions: int,
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
                     logging_config={"log_level": "WARNING", "enable_access_log": False})
-        cfg = (ClawRayConfig().model(path=str(model_path))
+        cfg = (ClawRayConfig().model(path=str(model_path)).inference(engine="hf")
                .serving(record_sink=["jsonl"], records_path=f"{tmp}/turns.jsonl",
                         replica_num_cpus=0.5, default_max_tokens=8))
         serve.run(build_app(cfg), name=SYNC_APP, route_prefix=f"/{SYNC_APP}")

@@ -51,8 +51,8 @@ class InferenceConfig(_Section):
     """The engine behind the PolicyServer."""
 
     engine: Literal["hf", "vllm", "auto", "fixed_latency"] = Field(
-        "hf", description="'vllm', 'hf' (transformers), or 'auto': vLLM where it is installed, "
-        "else hf (`clawray serve`/`demo` and deployments/local.yaml use auto; bench/README.md).")
+        "auto", description="'vllm', 'hf' (transformers), or 'auto': vLLM where it is installed "
+        "(the measured faster engine: bench/README.md), else hf.")
     max_running: int = Field(16, ge=1, description="Sequences holding a KV cache at once.")
     max_waiting: int = Field(256, ge=0, description="Queued requests before 'overloaded'.")
     prefill_chunk: int = Field(512, ge=16, description="Prompt tokens per prefill step (HF).")

@@ -34,9 +34,6 @@ from clawray.config import ClawRayConfig, ConfigError, apply_sets, load_config
 def _config(args: argparse.Namespace) -> ClawRayConfig:
     """The config from ``--config`` and ``--port``, validated, with the embedded model built."""
     cfg = ClawRayConfig.from_yaml(args.config) if args.config else ClawRayConfig()
-    if "engine" not in cfg.inference_cfg.model_fields_set:
-        # The measured faster engine where it can run (bench/README.md, "engines.py").
-        cfg.inference(engine="auto")
     if args.port:
         cfg.serving(port=args.port)
     cfg.check().apply_log_level()

@@ -129,13 +129,22 @@ def check_rows(rows: list[str]) -> None:
             raise ValueError(f"unknown row {row!r}; the rows are {', '.join(ROWS)}")
 
 
+def measured_engine(cfg: ClawRayConfig) -> ClawRayConfig:
+    """``cfg`` on the engine the table was measured on, the transformers engine (serving,
+    held-out evaluations and the warm starts' evaluations alike), where it says ``auto`` (the
+    default); ``hf`` or ``vllm`` named in the config are kept."""
+    if cfg.inference_cfg.engine != "auto":
+        return cfg
+    return cfg.copy_with(inference={"engine": "hf"})
+
+
 def table_config(cfg: ClawRayConfig, out: Path, row: str, seed: int, policy: str,
                  rm: str, scale: Scale = FULL) -> ClawRayConfig:
     """One row's settings: the env-demo's environment, the warm starts, the row's switches."""
 
     check_rows([row])
     run = out / f"seed{seed}" / row.replace("+", "_")
-    return env_demo_config(cfg, run, seed).copy_with(
+    return env_demo_config(measured_engine(cfg), run, seed).copy_with(
         model={"path": policy},
         # Two served models (policy, RM), two learners and two runners on one CPU machine.
         serving={"replica_num_cpus": 0.5},
@@ -157,7 +166,7 @@ def warm_starts(cfg: ClawRayConfig, sft_seed: int, label_noise: float,
     """The policy (``clawray sft``, seeded ``sft_seed``) and the RM (``clawray rm-sft`` on that
     policy's steps) every row starts from; both cached by their settings."""
 
-    demo = env_demo_config(cfg, Path("."), sft_seed)
+    demo = env_demo_config(measured_engine(cfg), Path("."), sft_seed)
     if scale.sft_steps is not None:
         demo = demo.copy_with(sft={"steps": scale.sft_steps})
     policy = run_sft(demo, progress=progress).path
@@ -293,6 +302,7 @@ def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], rows: list[str] |
     idle, as the small scale does; the measured table ran its rows one after another, each on
     its own cluster)."""
 
+    cfg = measured_engine(cfg)
     rows = rows or list(ROWS)
     check_rows(rows)  # before any row runs
     out.mkdir(parents=True, exist_ok=True)

@@ -80,7 +80,7 @@ def check_envs(tmp: str, timeout_s: float, runner_num_cpus: float) -> dict:
     from clawray.serve.app import build_app
 
     start_serve()
-    cfg = (ClawRayConfig()
+    cfg = (ClawRayConfig().inference(engine="hf")
            .serving(record_sink=["none"], replica_num_cpus=0.5)
            .buffer(path=f"{tmp}/samples", seal_age_s=0.1)
            .environments(family="household", num_runners=RUNNERS,

@@ -28,7 +28,7 @@ def serve_app(name: str, route: str, tmp_path_factory, **inference) -> Served:
     # API_KEY is a trusted app (it may name the end user whose policy serves it), OTHER_KEY
     # not; the engine serves up to 4 per-user adapters (none loaded unless a test publishes).
     cfg = (ClawRayConfig()
-           .inference(max_running=16, max_loras=4, **inference)
+           .inference(**{"engine": "hf", "max_running": 16, "max_loras": 4, **inference})
            .serving(api_keys=[API_KEY, OTHER_KEY], record_sink=["jsonl", "hub"], records_path=str(records),
                     max_body_bytes=400_000, max_tokens_limit=100_000, default_max_tokens=32,
                     trusted_app_tenants=[tenant_of_key(API_KEY)])

@@ -26,7 +26,7 @@ RM_EVAL_TASKS = 20  # test-pool tasks whose policy steps score the RM (30 valida
 def policy_config(cache_dir: str) -> ClawRayConfig:
     """env-demo's warm-start recipe (600 expert tasks at <= 0.3 of the box, 200 steps of 32
     rows, lr 1e-3, seed 0), scored on ``EVAL_TASKS`` held-out tasks."""
-    return (ClawRayConfig()
+    return (ClawRayConfig().inference(engine="hf")
             .environments(family="household", history_window=0)
             .sft(tasks=600, steps=200, batch_size=32, lr=1e-3, max_difficulty=0.3,
                  eval_tasks=EVAL_TASKS, eval_temperature=EVAL_TEMPERATURE,

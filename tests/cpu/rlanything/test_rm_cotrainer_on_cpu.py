@@ -27,7 +27,7 @@ PROMPT = build_step_rm_prompt("Put a clean mug in the cabinet.", [], "go to cabi
 
 def test_judge_samples_are_token_exact(tiny_model_path, tiny_tokenizer):
     async def run():
-        core = JudgeCore(ClawRayConfig().model(path=str(tiny_model_path)))
+        core = JudgeCore(ClawRayConfig().inference(engine="hf").model(path=str(tiny_model_path)))
         try:
             samples = await core.judge_samples(PROMPT, 3, 0.8, 12)
             seeded = [await core.judge_samples(PROMPT, 3, 2.0, 12, seed=s) for s in (7, 7, 8)]
@@ -60,7 +60,7 @@ def test_rm_cotrainer_trains_and_publishes_on_the_judge_channel(served, tmp_path
 
     from clawray.serve.app import build_app
 
-    cfg = (ClawRayConfig()
+    cfg = (ClawRayConfig().inference(engine="hf")
            .serving(record_sink=["jsonl"], records_path=str(tmp_path / "turns.jsonl"),
                     replica_num_cpus=0.5, default_max_tokens=8)
            .training(mode="rlanything", app=APP, learner_num_cpus=1, sync_timeout_s=60)

@@ -22,7 +22,7 @@ def env_app(served, tmp_path_factory):
 
     from clawray.serve.app import build_app
 
-    cfg = (ClawRayConfig()
+    cfg = (ClawRayConfig().inference(engine="hf")
            .serving(record_sink=["none"], replica_num_cpus=0.5)
            .buffer(path=str(tmp_path_factory.mktemp("env-samples") / "s"), seal_age_s=0.1)
            .environments(family="household", num_runners=2, runner_num_cpus=0.25,

@@ -54,7 +54,7 @@ class SpyEngine:
 
 @pytest.fixture(scope="module")
 def cfg(tiny_model_path) -> ClawRayConfig:
-    return ClawRayConfig().model(path=str(tiny_model_path))
+    return ClawRayConfig().inference(engine="hf").model(path=str(tiny_model_path))
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,8 @@ async def test_teacher_logprobs_length_mismatch_is_an_error(cfg, core):
 
 
 async def test_too_long_prompts_give_clear_errors(tiny_model_path):
-    small = JudgeCore(ClawRayConfig().model(path=str(tiny_model_path), max_model_len=64))
+    small = JudgeCore(ClawRayConfig().inference(engine="hf")
+                      .model(path=str(tiny_model_path), max_model_len=64))
     try:
         assert small.max_model_len == 64
         req = build_judge_request("prm", CTX)

@@ -91,7 +91,7 @@ def test_every_turn_of_a_session_lands_on_one_policy_replica(served, tmp_path_fa
     from clawray.serve.app import build_app
 
     app = "affinity"
-    cfg = ClawRayConfig().serving(
+    cfg = ClawRayConfig().inference(engine="hf").serving(
         api_keys=[API_KEY], record_sink=["jsonl"], layout="split", policy_replicas=2,
         replica_num_cpus=0.5, default_max_tokens=2,
         records_path=str(tmp_path_factory.mktemp(app) / "turns.jsonl"))

@@ -48,7 +48,7 @@ def faulty(served, tmp_path_factory):
     from clawray.serve.app import build_app
     from tests.support.common import Served
 
-    cfg = (ClawRayConfig()
+    cfg = (ClawRayConfig().inference(engine="hf")
            .serving(api_keys=[API_KEY], record_sink=["hub"], default_max_tokens=16)
            .sessions(max_sessions=50, idle_timeout_s=30, feedback_window_s=0, flush_interval_s=0.2)
            .judge(function="clawray.judging.rules:hanging_judge", timeout_s=1.5, retries=1)

@@ -26,7 +26,7 @@ def judged_app(served, tmp_path_factory):
 
     from clawray.serve.app import build_app
 
-    cfg = (ClawRayConfig()
+    cfg = (ClawRayConfig().inference(engine="hf")
            .serving(api_keys=[API_KEY], record_sink=["hub"], default_max_tokens=12,
                     replica_num_cpus=0.5)
            .sessions(feedback_window_s=0, flush_interval_s=0.2)

@@ -20,7 +20,7 @@ def env_cfg(served, tmp_path_factory):
 
     from clawray.serve.app import build_app
 
-    cfg = (ClawRayConfig()
+    cfg = (ClawRayConfig().inference(engine="hf")
            .serving(record_sink=["hub"], replica_num_cpus=0.5, default_max_tokens=8)
            .sessions(idle_timeout_s=2, feedback_window_s=0, flush_interval_s=0.1)
            .judge(num_voters=1, timeout_s=20)

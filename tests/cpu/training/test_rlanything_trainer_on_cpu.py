@@ -21,7 +21,7 @@ def rla_cfg(served, tmp_path_factory):
 
     from clawray.serve.app import build_app
 
-    cfg = (ClawRayConfig()
+    cfg = (ClawRayConfig().inference(engine="hf")
            .serving(record_sink=["none"], replica_num_cpus=0.25, default_max_tokens=8)
            .buffer(path=str(tmp_path_factory.mktemp("rla") / "s"), seal_age_s=0.1)
            .environments(family="tests.support.env_split:SplitFamily", num_runners=1,

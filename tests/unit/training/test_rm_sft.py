@@ -153,7 +153,7 @@ def test_the_rms_train_validation_and_test_steps_come_from_disjoint_tasks(task_p
 
 
 def _cfg(tmp_path):
-    return (ClawRayConfig()
+    return (ClawRayConfig().inference(engine="hf")
             .environments(family="household", history_window=0, max_tokens=8, max_steps=4)
             .sft(steps=3, batch_size=4, lr=1e-3, eval_tasks=1, cache_dir=str(tmp_path / "sft"))
             .rlanything(m=2, max_tokens=8))

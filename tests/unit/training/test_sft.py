@@ -13,7 +13,7 @@ from clawray.samples import make_row, rows_to_batch
 
 
 def _cfg(tmp_path, **sft):
-    return (ClawRayConfig()
+    return (ClawRayConfig().inference(engine="hf")
             .environments(family="household", history_window=0)
             .sft(tasks=6, steps=4, batch_size=8, lr=1e-3, max_difficulty=0.2, eval_tasks=2,
                  cache_dir=str(tmp_path / "sft"), **sft))

@@ -32,8 +32,8 @@ from clawray.inference.engine import (
 from clawray.records import RecordSink, TurnRecord
 from clawray.serve.detokenize import IncrementalDetokenizer, StopCutter, first_stop
 from clawray.serve.auth import LOCAL_TENANT
-from clawray.serve.protocol import MAX_ID_CHARS, APIError
-from clawray.serve.session_meta import SessionMeta, session_meta
+from clawray.serve.protocol import APIError
+from clawray.serve.session_meta import SessionMeta, addressed_user, session_meta
 from clawray.serve.structured import structural_tag
 from clawray.serve.turns import (
     ChoiceEnd,
@@ -142,7 +142,8 @@ class ChatService:
     async def prepare(self, req: TurnRequest, headers: Mapping[str, str],
                       tenant: str = "local") -> PreparedTurn:
         started_at = time.time()
-        fields = self._addressed_user(req.model, req.session_fields, tenant)
+        fields = addressed_user(self.served_model, req.model, req.session_fields, tenant,
+                                self._trusted(tenant))
         if req.n > self.cfg.max_n:
             raise APIError(400, f"n must be at most {self.cfg.max_n}", param="n")
         max_tokens = self._max_tokens(req.max_tokens, req.max_tokens_param)
@@ -375,37 +376,6 @@ class ChatService:
         if not callable(adapters):
             return meta.policy_user if getattr(self.policy, "names_adapters", False) else None
         return meta.policy_user if meta.policy_user in adapters() else None
-
-    def _addressed_user(self, model: str | None, fields: Mapping[str, Any], tenant: str
-                        ) -> Mapping[str, Any]:
-        """The session fields a request's ``model`` implies. ``"<served model>"`` (or none):
-        ``fields`` as they are. ``"<served model>:<user>"`` (Ray Serve LLM's adapter naming)
-        addresses that user's policy, allowed only for the caller's own: a trusted app (or the
-        local operator) names one of its end users (as with ``user``; the two must agree), any
-        other key only its own tenant id (``clawray key-digest``)."""
-        if model in (None, "", self.served_model):
-            return fields
-        prefix = f"{self.served_model}:"
-        who = str(model)[len(prefix):] if str(model).startswith(prefix) else ""
-        if not who:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves "
-                           f"'{self.served_model}' (or '{prefix}<user>' for your own "
-                           "user's policy)", param="model", code="model_not_found")
-        if len(who) > MAX_ID_CHARS:
-            raise APIError(400, f"the user in model is longer than {MAX_ID_CHARS} characters",
-                           param="model")
-        if self._trusted(tenant):
-            named = fields.get("user")
-            if named not in (None, "") and str(named) != who:
-                raise APIError(400, f"model names user '{who}' but user is '{named}': they "
-                               "must agree", param="model")
-            return {**fields, "user": who}
-        if who != tenant:
-            raise APIError(403, "a key may address only its own policy: model "
-                           f"'{self.served_model}:<your tenant id>' (clawray key-digest)",
-                           type="permission_error", param="model",
-                           code="model_not_permitted")
-        return fields
 
     def _trusted(self, tenant: str) -> bool:
         """May this key name the end user whose policy serves it (a trusted app, or no auth)?"""

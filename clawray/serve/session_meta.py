@@ -103,6 +103,37 @@ def session_meta(
                        policy_user_of(tenant, user, trusted_app))
 
 
+def addressed_user(served_model: str, model: str | None, fields: Mapping[str, Any], tenant: str,
+                   trusted_app: bool) -> Mapping[str, Any]:
+    """The session fields a request's ``model`` implies. ``"<served model>"`` (or none):
+    ``fields`` as they are. ``"<served model>:<user>"`` (Ray Serve LLM's adapter naming)
+    addresses that user's policy, allowed only for the caller's own: a trusted app (or the local
+    operator) names one of its end users (as with ``user``; the two must agree), any other key
+    only its own tenant id (``clawray key-digest``)."""
+    if model in (None, "", served_model):
+        return fields
+    prefix = f"{served_model}:"
+    who = str(model)[len(prefix):] if str(model).startswith(prefix) else ""
+    if not who:
+        raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                       f"'{served_model}' (or '{prefix}<user>' for your own user's policy)",
+                       param="model", code="model_not_found")
+    if len(who) > MAX_ID_CHARS:
+        raise APIError(400, f"the user in model is longer than {MAX_ID_CHARS} characters",
+                       param="model")
+    if trusted_app:
+        named = fields.get("user")
+        if named not in (None, "") and str(named) != who:
+            raise APIError(400, f"model names user '{who}' but user is '{named}': they must "
+                           "agree", param="model")
+        return {**fields, "user": who}
+    if who != tenant:
+        raise APIError(403, "a key may address only its own policy: model "
+                       f"'{served_model}:<your tenant id>' (clawray key-digest)",
+                       type="permission_error", param="model", code="model_not_permitted")
+    return fields
+
+
 def policy_user_of(tenant: str, user: str | None, trusted_app: bool) -> str:
     """Whose policy a request of ``tenant`` naming ``user`` is served by and trains."""
     return f"{tenant}/{user}" if user and trusted_app else tenant

@@ -140,6 +140,30 @@ def _running(pids: list[int]) -> list[int]:
     return alive
 
 
+def _family(owner: int) -> list:
+    """``owner``'s descendants, and every watchdog that names ``owner`` as its owner with the
+    processes it watches and their descendants (found by command line, not by parentage)."""
+    import psutil
+
+    found = {}
+    try:
+        found.update({p.pid: p for p in psutil.Process(owner).children(recursive=True)})
+    except psutil.Error:
+        pass
+    for p in psutil.process_iter(["cmdline"]):
+        argv = p.info["cmdline"] or []
+        if "clawray.inference.watchdog" in argv and argv[argv.index("--owner") + 1:][:1] == \
+                [str(owner)]:
+            found[p.pid] = p
+            for pid in argv[argv.index("--owner") + 2:]:
+                try:
+                    watched = psutil.Process(int(pid))
+                    found.update({q.pid: q for q in [watched, *watched.children(recursive=True)]})
+                except (psutil.Error, ValueError):
+                    pass
+    return list(found.values())
+
+
 def check_node_kill(cluster, tmp: str) -> dict:
     import openai
     import psutil
@@ -161,11 +185,6 @@ def check_node_kill(cluster, tmp: str) -> dict:
                            max_retries=0, timeout=120)
     reply = client.chat.completions.create(
         model="clawray-tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
-    doomed = [a for a in list_actors(filters=[("node_id", "=", node.node_id),
-                                              ("state", "=", "ALIVE")])
-              if "ServeReplica" in a.class_name]
-    replica = doomed[0].pid if len(doomed) == 1 else None
-    tree = psutil.Process(replica).children(recursive=True) if replica else []
 
     def title(p) -> str:
         try:
@@ -173,9 +192,23 @@ def check_node_kill(cluster, tmp: str) -> dict:
         except psutil.Error:
             return ""
 
-    titles = {p.pid: title(p) for p in tree}
-    engines = [pid for pid, t in titles.items() if "VLLM::" in t]
-    watchdogs = [pid for pid, t in titles.items() if "clawray.inference.watchdog" in t]
+    # The replica on the node, its engine processes and their watchdog, once all are up. Not
+    # read once: on a loaded machine Serve may replace a replica whose health check timed out
+    # (the new one has no engine yet), so this waits for one replica whose engine and watchdog
+    # run, and records every replica seen on the node.
+    seen, deadline = [], time.monotonic() + 180
+    while True:
+        doomed = [a for a in list_actors(filters=[("node_id", "=", node.node_id),
+                                                  ("state", "=", "ALIVE")])
+                  if "ServeReplica" in a.class_name]
+        replica = doomed[0].pid if len(doomed) == 1 else None
+        seen += [a.pid for a in doomed if a.pid not in seen]
+        titles = {p.pid: title(p) for p in _family(replica)} if replica else {}
+        engines = [pid for pid, t in titles.items() if "VLLM::" in t]
+        watchdogs = [pid for pid, t in titles.items() if "clawray.inference.watchdog" in t]
+        if (engines and watchdogs) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
     # The node dies as under `kill -9` of its process group (or an OOM kill of the node):
     # the replica's worker and the raylet get SIGKILL at once. (The raylet alone is not
     # enough: its workers then exit on their own and shut their engines down.) vLLM's
@@ -195,11 +228,10 @@ def check_node_kill(cluster, tmp: str) -> dict:
         except psutil.Error:
             pass
     return {"check": "node_kill", "answered": reply.choices[0].message is not None,
-            "replicas_on_node": len(doomed), "replica": replica, "engines": engines,
-            "watchdogs": watchdogs, "left": left,
+            "replicas_on_node": len(doomed), "replica": replica, "replicas_seen": seen,
+            "engines": engines, "watchdogs": watchdogs, "left": left,
             "seconds_to_clean": round(time.monotonic() - started, 1),
-            # what the replica had started, when it was not an engine and its watchdog (once
-            # in seven runs on 2026-12-05 one of the two lists was empty; kept to see why)
+            # what the replica had started, when it was not an engine and its watchdog
             **({} if engines and watchdogs else {"tree": titles})}
 
 

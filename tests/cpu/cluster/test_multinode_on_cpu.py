@@ -75,11 +75,12 @@ def test_killing_the_node_under_a_running_app_ends_its_engine_processes(multinod
         pytest.skip("vLLM is not installed here (make setup installs it; see docs/vllm.md)")
     out = multinode.get("node_kill")
     assert out is not None, multinode["stderr"]
-    assert out["answered"] and out["replicas_on_node"] == 1, out  # the app ran on that node
-    assert out["engines"] and out["watchdogs"], out  # vLLM's processes, watched
-    assert out["left"]["replica"] == [], out  # the replica died with its raylet
-    assert out["left"]["engines"] == [], f"vLLM processes outlived their node: {out}"
-    assert out["left"]["watchdogs"] == [], out
+    shown = json.dumps(out)  # all of it (pytest cuts a dict's repr short)
+    assert out["answered"] and out["replicas_on_node"] == 1, shown  # the app ran on that node
+    assert out["engines"] and out["watchdogs"], shown  # vLLM's processes, watched
+    assert out["left"]["replica"] == [], shown  # the replica died with its raylet
+    assert out["left"]["engines"] == [], f"vLLM processes outlived their node: {shown}"
+    assert out["left"]["watchdogs"] == [], shown
 
 
 def test_the_cluster_process_exits_cleanly(multinode):

@@ -4,9 +4,10 @@
 ``restore()``) and as a Tune trainable (``tune.Tuner(Trainer, param_space=cfg.to_dict())``
 runs, checkpoints and sweeps clawray configs). One iteration (``step``)::
 
-    take   ≤ batch_size samples from the app's SampleBuffer (object refs, no copy); in ``env``
-           mode from the env runners' buffer, in ``mixed`` mode ``env_fraction`` of the batch
-           from it and the rest from live sessions
+    take   ≤ batch_size samples from the mode's batch source (object refs, no copy): the
+           app's SampleBuffer in ``live`` mode, the env runners' buffer in ``env`` mode, in
+           ``mixed`` mode ``env_fraction`` of the batch from it and the rest from live
+           sessions, one synchronous RLAnything step in ``rlanything`` mode (``_take_*``)
     update one LearnerGroup iteration (DeepSpeed ranks read the refs zero-copy)
     sync   publish the new weights; wait until every serving replica runs them
     log    windowed stats (RLlib MetricsLogger), Ray metrics (Prometheus), a JSONL line,
@@ -26,6 +27,7 @@ truncated importance weights handle samples from older versions (docs/training.m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -58,6 +60,16 @@ from clawray.weights.publisher import WeightPublisher
 logger = logging.getLogger(__name__)
 
 WINDOW = 20  # iterations in the smoothed (windowed) stats
+
+
+@dataclasses.dataclass
+class Batch:
+    """What a batch source took: the policy's rows (slices of object refs), and in
+    ``rlanything`` mode the reward model's rows and the step's metrics."""
+
+    slices: list[Any]
+    rm_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
 LOGGED = ("reward_mean", "loss", "clip_frac", "is_weight_mean", "grad_norm", "tokens_per_s",
           "staleness_mean", "env_success", "env_episodes_per_s", "rla_success", "rm_step_acc")
 
@@ -192,49 +204,63 @@ class Trainer(tune.Trainable):
                       route_prefix="/" if self.app == "clawray" else f"/{self.app}")
 
     def step(self) -> dict[str, Any]:
-        t = self.cfg.training_cfg
+        """One iteration: follow the gate, take a batch from the mode's source, train on it
+        (one shared update, or each user's adapter), then the mode's own after-update work
+        (RLAnything's RM update, env runner stats) and the logs."""
         started = time.perf_counter()
         result: dict[str, Any] = {"policy_version": self.version, "samples": 0,
                                   "samples_repeated": 0}
-        rm_rows: list[dict[str, Any]] = []
         if self.gate is not None:
             result.update(self._follow_gate())
         with self.metrics.log_time("time_take_s", reduce="mean", window=WINDOW):
-            if self.rla is not None:
-                slices, rm_rows, step_metrics = self._rlanything_take()
-                result.update(step_metrics)
-            else:
-                slices = self._take()
-        if slices and t.per_user:
-            table = fetch(slices, ray.get)
-            result.update(batch_stats(table, self.version))
-            with self.metrics.log_time("time_update_s", reduce="mean", window=WINDOW):
-                result.update(self._per_user_update(table, slices))
-            slices = []  # acknowledged row by row; no shared update
-        if slices:
-            table = fetch(slices, ray.get)
-            if self.gate is not None:
-                result.update(self._gate_observe(table))
-            table, slices, result["samples_repeated"] = self._drop_trained(table, slices)
-        if slices:
-            result.update(batch_stats(table, self.version))
-            with self.metrics.log_time("time_update_s", reduce="mean", window=WINDOW):
-                result.update(self.learner.update(slices))
-            self.trained.add(table.column("sample_id").to_pylist())
-            self.updates += 1
-            if result.get("optimizer_steps", 0) and self.updates % t.sync_every == 0:
-                with self.metrics.log_time("time_sync_s", reduce="mean", window=WINDOW):
-                    sync = self._publish()
-                result.update({f"sync_{k}": v for k, v in sync.items()
-                               if k in ("bytes", "seconds", "send_s", "apply_s")})
-                if "gate" in sync:  # what the policy gate made of the new version
-                    result["gate"] = sync["gate"]
-                result["policy_version"] = self.version
+            batch = self._take_batch()
+        result.update(batch.metrics)
+        if batch.slices:
+            result.update(self._train(batch.slices))
         if self.rla is not None:
-            result.update(self.rla.rm_update(rm_rows))
+            result.update(self.rla.rm_update(batch.rm_rows))
             result["env_adapter"] = self.rla.metrics()
         if self.envs is not None:
             result.update(self._env_stats())
+        self._log(result, started)
+        return result
+
+    def _train(self, slices: list[Any]) -> dict[str, Any]:
+        """Train on a taken batch: per-user, each picked user's adapter on their rows; else,
+        less rows trained already (and, with the gate, rows of abandoned versions), one shared
+        update, published every ``sync_every`` updates."""
+        t = self.cfg.training_cfg
+        table = fetch(slices, ray.get)
+        out: dict[str, Any] = {}
+        if t.per_user:
+            out.update(batch_stats(table, self.version))
+            with self.metrics.log_time("time_update_s", reduce="mean", window=WINDOW):
+                out.update(self._per_user_update(table, slices))
+            return out  # acknowledged row by row; no shared update
+        if self.gate is not None:
+            out.update(self._gate_observe(table))
+        table, slices, out["samples_repeated"] = self._drop_trained(table, slices)
+        if not slices:
+            return out
+        out.update(batch_stats(table, self.version))
+        with self.metrics.log_time("time_update_s", reduce="mean", window=WINDOW):
+            out.update(self.learner.update(slices))
+        self.trained.add(table.column("sample_id").to_pylist())
+        self.updates += 1
+        if out.get("optimizer_steps", 0) and self.updates % t.sync_every == 0:
+            with self.metrics.log_time("time_sync_s", reduce="mean", window=WINDOW):
+                sync = self._publish()
+            out.update({f"sync_{k}": v for k, v in sync.items()
+                        if k in ("bytes", "seconds", "send_s", "apply_s")})
+            if "gate" in sync:  # what the policy gate made of the new version
+                out["gate"] = sync["gate"]
+            out["policy_version"] = self.version
+        return out
+
+    def _log(self, result: dict[str, Any], started: float) -> None:
+        """Windowed stats, Ray gauges, the JSONL line, the trackers; then the checkpoint (or
+        the acknowledgement) of what this iteration trained."""
+        t = self.cfg.training_cfg
         for key in LOGGED:
             if key in result:
                 self.metrics.log_value(key, result[key], window=WINDOW)
@@ -250,7 +276,6 @@ class Trainer(tune.Trainable):
             self.save_checkpoint(str(self.checkpoint_dir))  # acknowledges what it holds
         elif not t.checkpoint_every:
             self._ack()
-        return result
 
     def _republish_adapters(self) -> int:
         """Per-user mode, at start: publish every stored adapter the app does not serve at its
@@ -347,22 +372,38 @@ class Trainer(tune.Trainable):
         batch = table.to_batches()[0]
         return table, [Slice(-1, ray.put(batch), 0, batch.num_rows)], repeated
 
-    def _take(self) -> list[Any]:
-        """This iteration's batch (slices of object refs) for the configured mode."""
+    # ---------------------------------------------------------------- batch sources
+    # One per training.mode: each takes this iteration's batch (slices of object refs, under
+    # leases ``_leased`` remembers for the acknowledgement).
+
+    def _take_batch(self) -> Batch:
+        return {"live": self._take_live, "env": self._take_env, "mixed": self._take_mixed,
+                "rlanything": self._take_rlanything}[self.cfg.training_cfg.mode]()
+
+    def _take_live(self) -> Batch:
+        """Live sessions' rows (per-user: as many as ``next_take`` asked for last time)."""
         t = self.cfg.training_cfg
         live = self.pipeline.buffer
-        if t.mode == "live":
-            n = self._user_take if t.per_user else t.batch_size
-            return self._leased(live, ray.get(live.take.remote(n, t.take_timeout_s,
-                                                               t.min_batch)))
+        n = self._user_take if t.per_user else t.batch_size
+        return Batch(self._leased(live, ray.get(live.take.remote(n, t.take_timeout_s,
+                                                                 t.min_batch))))
+
+    def _take_env(self) -> Batch:
+        """The env runners' GRPO rows."""
+        t = self.cfg.training_cfg
         env = self.envs.buffer
-        if t.mode == "env":
-            return self._leased(env, ray.get(env.take.remote(t.batch_size, t.take_timeout_s,
-                                                             t.min_batch)))
+        return Batch(self._leased(env, ray.get(env.take.remote(t.batch_size, t.take_timeout_s,
+                                                               t.min_batch))))
+
+    def _take_mixed(self) -> Batch:
+        """``env_fraction`` of the batch from the env runners, the rest from live sessions;
+        whichever side falls short is topped up from the other, and a batch still below
+        ``min_batch`` goes back at once."""
+        t = self.cfg.training_cfg
+        live, env = self.pipeline.buffer, self.envs.buffer
         n_env = round(t.batch_size * t.env_fraction)
         n_live = t.batch_size - n_env
         first = len(self._unacked)
-        # Each side waits for its share; whichever falls short is topped up from the other.
         env_ref = env.take.remote(n_env, t.take_timeout_s, 0) if n_env else None
         live_ref = live.take.remote(n_live, t.take_timeout_s, 0) if n_live else None
         env_part = self._leased(env, ray.get(env_ref)) if env_ref else []
@@ -377,19 +418,19 @@ class Trainer(tune.Trainable):
         if sum(s.length for s in slices) < t.min_batch:  # too few: give them back at once
             mine, self._unacked = self._unacked[first:], self._unacked[:first]
             ray.get([buffer.release.remote(leases) for buffer, leases in mine])
-            return []
-        return slices
+            return Batch([])
+        return Batch(slices)
 
-    def _rlanything_take(self) -> tuple[list[Any], list[dict[str, Any]], dict[str, Any]]:
+    def _take_rlanything(self) -> Batch:
         """One RLAnything step up to the updates: its policy rows go through the env buffer
-        (durable before they are trained on), its RM rows are returned for ``rm_update``."""
+        (durable before they are trained on), its RM rows wait for ``rm_update``."""
         policy_rows, rm_rows, metrics = self.rla.rollouts_and_rows()
         slices: list[Any] = []
         if policy_rows:
             ray.get(self.envs.buffer.add.remote(policy_rows))
             slices = self._leased(self.envs.buffer, ray.get(self.envs.buffer.take.remote(
                 len(policy_rows), self.cfg.training_cfg.take_timeout_s, 1)))
-        return slices, rm_rows, metrics
+        return Batch(slices, rm_rows, metrics)
 
     def _env_stats(self) -> dict[str, Any]:
         """Runner replacement, throughput since the last iteration, curriculum metrics."""

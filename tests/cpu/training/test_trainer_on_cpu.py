@@ -218,7 +218,7 @@ def test_checkpoint_kill_restore_resumes_version_and_buffer_offset(app, trainer,
     assert saved["policy_version"] == trainer.version and saved["buffer_consumed"] == consumed
     for i in range(3):
         _session(client, good=i % 2 == 0)
-    lost = trainer._take()  # taken under a lease, never trained nor acknowledged
+    lost = trainer._take_batch().slices  # taken under a lease, never trained nor acknowledged
     lost_ids = fetch(lost, ray.get).column("sample_id").to_pylist()
     assert lost_ids and ray.get(buffer.stats.remote())["leased_rows"] == len(lost_ids)
     trainer.learner.shutdown()  # the learner dies with its weights and optimizer

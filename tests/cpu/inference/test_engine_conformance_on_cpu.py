@@ -219,6 +219,23 @@ async def test_a_stop_string_ends_the_completion_inside_the_text(engine, tokeniz
     assert stop in tokenizer.decode(out.token_ids, skip_special_tokens=True)
 
 
+async def test_a_judge_verdict_format_ends_every_sample_in_one_box(engine, tokenizer):
+    """The judge's output constraint (judging/formats.py, judge.constrained): whatever the model
+    samples, each completion is reasoning without a backslash and one verdict box, within
+    the token budget, on both engines."""
+    import re
+
+    from clawray.judging.formats import verdict_format
+    from clawray.judging.parse import parse_vote
+
+    params = SamplingParams(max_tokens=32, temperature=1.0, n=4, seed=3,
+                            structural_tag=verdict_format((1, -1, 0), 32))
+    texts = [tokenizer.decode(o.token_ids, skip_special_tokens=True)
+             for o in await engine.generate(PROMPT, params)]
+    assert all(re.fullmatch(r"[^\\]*\\boxed\{(1|-1|0)\}", t) for t in texts), texts
+    assert all(parse_vote(t) in (1, -1, 0) for t in texts), texts
+
+
 async def test_closing_a_stream_and_cancelling_a_call_abort_the_request(engine, mechanics):
     long = SamplingParams(max_tokens=2000, temperature=1.0, ignore_eos=True)
     stream = engine.generate_stream(PROMPT, long)

@@ -116,3 +116,24 @@ def test_a_judge_control_must_be_the_one_the_apps_voters_run(tmp_path):
         with pytest.raises(ValueError, match="needs the app started with judge.control"):
             run_learning(cfg, "http://127.0.0.1:1/v1", "k", "m", tmp_path, iterations=1,
                          users=1, eval_n=1, seed=0, lockstep=True, control=control)
+
+
+@pytest.mark.parametrize("controls, after, code", [
+    (("none",), 0.4, 1),  # the trained arm alone did not rise: the command fails
+    (("none",), 0.6, 0),
+    (("no_training",), 0.4, 0),  # a control alone that stayed flat: a finding, not a failure
+    (("shuffled_feedback",), 0.6, 0),
+])
+def test_the_demo_seeds_exit_status_judges_only_the_trained_arm(monkeypatch, tmp_path, controls,
+                                                                 after, code):
+    import json
+
+    from clawray.apps import demo
+    from clawray.config import ClawRayConfig
+
+    def fake_run(cfg, where, *, seed, control, **kw):
+        where.mkdir(parents=True)
+        (where / "summary.json").write_text(json.dumps(summary(seed, 0.4, after)))
+
+    monkeypatch.setattr(demo, "run_demo", fake_run)
+    assert demo.run_demo_seeds(ClawRayConfig(), tmp_path, [0, 1], controls=controls) == code

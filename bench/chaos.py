@@ -204,16 +204,16 @@ class TrainerJob:
             add(ids)
 
         t.trained.add = trained
-        take = t._take
+        take = t._take_batch
 
-        def take_then_maybe_die() -> list[Any]:
-            slices = take()
-            if slices and self.kill.is_set():
+        def take_then_maybe_die() -> Any:
+            batch = take()
+            if batch.slices and self.kill.is_set():
                 self.kill.clear()
                 raise RuntimeError("chaos: the trainer job died after taking a batch")
-            return slices
+            return batch
 
-        t._take = take_then_maybe_die
+        t._take_batch = take_then_maybe_die
         return t
 
     def run(self) -> None:

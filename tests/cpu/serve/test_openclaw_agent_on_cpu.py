@@ -58,6 +58,12 @@ def _config(base: str, api_key: str, model: str, api: str) -> dict:
             "models": {"mode": "merge", "providers": {"clawray": {
                 "baseUrl": url, "apiKey": api_key, "timeoutSeconds": 300, "api": api,
                 "models": [{"id": model, "name": "clawray", "reasoning": False,
+                            # OpenClaw names its session in headers (session_id,
+                            # x-session-affinity): the key clawray derives from the first
+                            # messages changes with OpenClaw's system prompt, whose "Current
+                            # date" line turns over at midnight (a CI run split one session
+                            # into two that way at 00:00 UTC)
+                            "compat": {"sendSessionAffinityHeaders": True},
                             "input": ["text"],
                             "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
                             "contextWindow": 32000, "maxTokens": 48}]}}}}

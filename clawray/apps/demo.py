@@ -362,16 +362,24 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
     after = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed, pool=eval_pool,
                                  preference=pref, **sampling))
     log(f"clawray demo: after {iterations} steps, {after.rate:.1%} "
-        f"(policy v{max(after.policy_versions)}; before: {before.rate:.1%})")
+        f"(policy v{max(after.policy_versions)}; before: {before.rate:.1%}); replies naming "
+        f"their request's topic: {_share(before.on_topic)} -> {_share(after.on_topic)}")
+    for name, result in (("before", before), ("after", after)):
+        with open(out / f"eval_{name}.jsonl", "w") as f:
+            for rec in result.interactions:
+                f.write(json.dumps(dataclasses.asdict(rec)) + "\n")
     experiment = ("demo-lockstep" if lockstep else "demo-live") + (
         "" if preference == "brief" else f"-{preference}") + (
         f"-{model}" if is_real_model(cfg) else "")
     arm = demo_arm(cfg, control)
     for metric, value in (("satisfaction_before", before.rate), ("satisfaction_after",
                                                                  after.rate),
-                          ("satisfaction_change", after.rate - before.rate)):
-        ledger.record(experiment, arm, seed, eval_pool, metric, value, n=after.n,
-                      iterations=iterations)
+                          ("satisfaction_change", after.rate - before.rate),
+                          ("on_topic_before", before.on_topic),
+                          ("on_topic_after", after.on_topic)):
+        if value is not None:
+            ledger.record(experiment, arm, seed, eval_pool, metric, value, n=after.n,
+                          iterations=iterations)
     summary = {
         "seed": seed, "iterations": iterations, "users": users, "lockstep": lockstep,
         "control": control, "experiment": experiment, "arm": arm, "preference": preference,
@@ -379,9 +387,9 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
         "model": model, "temperature": temperature, "max_tokens": max_tokens,
         "judge": judge_description(cfg),
         "before": {"rate": before.rate, "n": before.n, "per_type": before.per_type,
-                   "policy_versions": before.policy_versions},
+                   "on_topic": before.on_topic, "policy_versions": before.policy_versions},
         "after": {"rate": after.rate, "n": after.n, "per_type": after.per_type,
-                  "policy_versions": after.policy_versions},
+                  "on_topic": after.on_topic, "policy_versions": after.policy_versions},
         "live_rate_by_version": {str(v): {"rate": r, "n": n}
                                  for v, (r, n) in pool.rate_by_version().items()},
         "reward_by_step": [r.get("reward_mean") for r in results],
@@ -394,6 +402,10 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
     plot_progress(summary, out / "progress.png")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
 
 
 def plot_progress(summary: dict[str, Any], path: Path) -> None:
@@ -473,13 +485,17 @@ def aggregate_demo_seeds(summaries: list[dict[str, Any]]) -> dict[str, Any]:
                  "user_errors": s.get("user_errors", 0),
                  "rise": s["after"]["rate"] - s["before"]["rate"], "n": s["after"]["n"],
                  "per_type_before": s["before"]["per_type"],
-                 "per_type_after": s["after"]["per_type"]} for s in summaries]
+                 "per_type_after": s["after"]["per_type"],
+                 "on_topic_before": s["before"].get("on_topic"),
+                 "on_topic_after": s["after"].get("on_topic")} for s in summaries]
 
-    def stat(key: str) -> dict[str, float | None]:
-        return seed_stats(p[key] for p in per_seed)
+    def stat(key: str) -> dict[str, float | None] | None:
+        values = [p[key] for p in per_seed if p[key] is not None]
+        return seed_stats(values) if values else None  # None: summaries from before the key
 
     return {"seeds": per_seed, "runs": len(per_seed), "before": stat("before"),
             "after": stat("after"), "rise": stat("rise"),
+            "on_topic_before": stat("on_topic_before"), "on_topic_after": stat("on_topic_after"),
             "rose_in": sum(p["rise"] > 0 for p in per_seed),
             "eval_pool": summaries[0].get("eval_pool"), "iterations": summaries[0]["iterations"],
             "users": summaries[0]["users"]}
@@ -586,6 +602,9 @@ def run_demo_seeds(cfg: ClawRayConfig, out: Path, seeds: list[int],
               f"{b['mean']:.1%} → {a['mean']:.1%}, rise {r['mean']:+.1%} ± "
               f"{r['stderr'] or 0:.1%} (s.e.), rose in {agg['rose_in']} of {agg['runs']}; "
               f"{where / 'demo_seeds.png'}")
+        if agg["on_topic_before"] and agg["on_topic_after"]:
+            print(f"clawray demo [{control}]: replies naming their request's topic "
+                  f"{agg['on_topic_before']['mean']:.1%} → {agg['on_topic_after']['mean']:.1%}")
     errors = any(p.get("user_errors") for a in aggs.values() for p in a["seeds"])
     if list(controls) == ["none"]:  # the trained arm alone: it should have risen in every seed
         return 0 if aggs["none"]["rose_in"] == aggs["none"]["runs"] and not errors else 1

@@ -253,6 +253,37 @@ def satisfaction_rate(interactions: Sequence[Interaction]) -> float | None:
     return sum(judged) / len(judged) if judged else None
 
 
+_FILL_STOPWORDS = frozenset({"a", "an", "at", "in", "my", "of", "the", "to"})
+
+
+def topic_words(text: str, pool: str = "test") -> set[str]:
+    """The content words of the fills a request of prompt pool ``pool`` was made from (its
+    place, topic, task, thing, colour, people; "a", "the", "my" left out): "Can you explain
+    jazz to a child?" → {"jazz"}. Empty for a greeting."""
+    words: set[str] = set()
+    for values in prompt_pool(pool).fills.values():
+        for value in values:
+            if re.search(rf"\b{re.escape(value)}\b", text):
+                words |= {w.lower() for w in re.findall(r"[A-Za-z]+", value)} - _FILL_STOPWORDS
+    return words
+
+
+def _stem(word: str) -> str:
+    word = word.lower()
+    return word[:-1] if len(word) > 3 and word.endswith("s") else word
+
+
+def on_topic(reply: str, words: set[str]) -> bool | None:
+    """Whether ``reply`` names one of ``words`` (a request's ``topic_words``), a plural or
+    a longer form counting ("river" for "rivers", "Argentine" for "Argentina": the first five
+    letters of the stem); None when there are no words to name (a greeting). A crude check
+    that a concise reply still answers: it catches "Space." for a question about Mars."""
+    if not words:
+        return None
+    stems = {_stem(w)[:5] for w in words}
+    return any(_stem(t)[:5] in stems for t in re.findall(r"[A-Za-z]+", reply))
+
+
 @dataclasses.dataclass
 class EvalResult:
     rate: float  # satisfied / judged replies (0.0 if none)
@@ -261,6 +292,9 @@ class EvalResult:
     errors: int
     policy_versions: list[int]  # distinct versions that answered
     interactions: list[Interaction]
+    # Of the judged replies to questions and requests, the share that names the request's
+    # topic (``on_topic``); None if there were none.
+    on_topic: float | None = None
 
 
 async def _ask(client: openai.AsyncOpenAI, model: str, messages: list[dict[str, str]],
@@ -463,4 +497,12 @@ async def evaluate(base_url: str, api_key: str, model: str, *, n: int = 100, see
                       errors=sum(r.error is not None for r in recs),
                       policy_versions=sorted({r.policy_version for r in judged
                                               if r.policy_version is not None}),
-                      interactions=recs)
+                      interactions=recs, on_topic=on_topic_rate(judged, pool))
+
+
+def on_topic_rate(interactions: Sequence[Interaction], pool: str) -> float | None:
+    """The share of ``interactions``' replies to questions and requests that name their
+    request's topic (``on_topic``); None if there were none."""
+    hits = [on_topic(i.reply or "", topic_words(i.request, pool)) for i in interactions]
+    hits = [h for h in hits if h is not None]
+    return sum(hits) / len(hits) if hits else None

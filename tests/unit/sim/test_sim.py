@@ -228,3 +228,22 @@ async def test_run_users_wants_exactly_one_stop_rule():
     for kw in ({}, {"sessions_per_user": 1, "duration_s": 1.0}):
         with pytest.raises(ValueError, match="exactly one"):
             await run_users("http://127.0.0.1:9/v1", "k", "m", **kw)
+
+
+def test_on_topic_asks_that_a_reply_names_its_requests_fill_words():
+    from clawray.sim.users import POOLS, eval_messages, on_topic, topic_words
+
+    assert topic_words("Can you explain jazz to a child?") == {"jazz"}
+    assert topic_words("Write a toast for my doctor about a harbor.") == {"doctor", "harbor"}
+    assert topic_words("Howdy!") == set() and on_topic("Hi!", set()) is None
+    mars = topic_words("Is Venus a safe destination?")
+    assert on_topic("Space.", mars) is False and on_topic("Venus is hot.", mars) is True
+    rivers = topic_words("Can you explain rivers to a child?")
+    assert on_topic("A river flows to the sea.", rivers) is True  # singular of a plural
+    assert on_topic("Water flows to the sea.", rivers) is False
+    assert on_topic("Argentine food is great.", topic_words(
+        "What do people eat for breakfast in Argentina?", "validation")) is True
+    # every question and request of every pool has words to name; no greeting has any
+    for pool in POOLS:
+        for kind, text in eval_messages(200, 3, pool=pool):
+            assert bool(topic_words(text, pool)) == (kind != "greeting"), (pool, text)

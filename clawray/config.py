@@ -139,6 +139,15 @@ class ServingConfig(_Section):
             "ingress replica also listens on its own port (30000+), skipping the proxy hop."
         ),
     )
+    throughput_optimized: bool = Field(
+        False,
+        description=(
+            "`clawray serve`/`demo` start Ray with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (direct "
+            "ingress, and the replica runs clawray's code on its main event loop instead of a "
+            "thread of its own). Off by default: on 2 cores it has not been shown faster, on "
+            "the embedded model or on SmolLM2 over vLLM (bench/README.md)."
+        ),
+    )
     ingress_replicas: int = Field(1, ge=1)
     policy_replicas: int = Field(1, ge=1)
     session_affinity: bool = Field(
@@ -833,10 +842,10 @@ class ClawRayConfig(_Section):
         return self
 
     def copy_with(self, **sections: dict[str, Any]) -> "ClawRayConfig":
-        data = self.to_dict()
-        for name, values in sections.items():
-            data.setdefault(name, {}).update(values)
-        return ClawRayConfig.from_dict(data)
+        """A copy with ``sections`` merged in (``copy_with(training={"lr": 1e-4})``); a nested
+        settings block merges key by key (``training={"loss": {"kl_coef": 0.1}}`` keeps the
+        other loss settings)."""
+        return ClawRayConfig.from_dict(_merged(ClawRayConfig, self.to_dict(), sections))
 
     # ---- cross-field checks ----
     def check(self) -> "ClawRayConfig":
@@ -940,10 +949,30 @@ class ConfigError(ValueError):
 
 
 def _updated(section: _Section, kwargs: dict[str, Any]) -> Any:
+    """``section`` with ``kwargs`` merged in; a nested settings block (``training.loss``) is
+    merged key by key, so ``{"loss": {"kl_coef": 0.1}}`` keeps the other loss settings."""
     try:
-        return section.model_validate({**section.model_dump(), **kwargs})
+        return section.model_validate(_merged(type(section), section.model_dump(), kwargs))
     except ValidationError as e:
         raise ConfigError(_describe(e)) from None
+
+
+def _merged(model: type[BaseModel], base: dict[str, Any], update: dict[str, Any]
+            ) -> dict[str, Any]:
+    """``base`` (a dump of ``model``) with ``update`` over it: a field that is itself a
+    settings model is merged key by key; any other value (a dict-valued field such as
+    ``runtime_env`` included) replaces the old one."""
+    fields = {(f.alias or name): f for name, f in model.model_fields.items()}
+    fields.update(model.model_fields)
+    out = dict(base)
+    for key, value in update.items():
+        sub = fields[key].annotation if key in fields else None
+        if (isinstance(value, dict) and isinstance(out.get(key), dict)
+                and isinstance(sub, type) and issubclass(sub, BaseModel)):
+            out[key] = _merged(sub, out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def _describe(e: ValidationError) -> str:
@@ -989,11 +1018,16 @@ def load_config(path: str | None, app: str | None = None) -> ClawRayConfig:
 
 
 def apply_sets(cfg: ClawRayConfig, items: list[str]) -> ClawRayConfig:
-    """``--set section.key=value`` overrides (values parsed as YAML)."""
+    """``--set section.key=value`` overrides (values parsed as YAML); a nested setting is
+    named by its whole path (``--set training.loss.kl_coef=0.1``)."""
     for item in items:
         key, eq, value = item.partition("=")
         section, dot, field = key.strip().partition(".")
-        if not (eq and dot and section and field):
+        path = field.split(".")
+        if not (eq and dot and section and all(path)):
             raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE")
-        cfg = cfg.copy_with(**{section: {field: yaml.safe_load(value)}})
+        update: Any = yaml.safe_load(value)
+        for name in reversed(path):
+            update = {name: update}
+        cfg = cfg.copy_with(**{section: update})
     return cfg

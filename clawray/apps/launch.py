@@ -43,6 +43,17 @@ def init_local_ray(attempts: int = 3, **kwargs: Any) -> None:
             ray.shutdown()
 
 
+def serve_env(s: Any) -> dict[str, str]:
+    """The Ray Serve environment variables ``serving`` settings ``s`` ask for (read by Ray's
+    processes when they start, so set before ``ray.init``); a variable the user set wins."""
+    env = {}
+    if s.direct_ingress or s.throughput_optimized:
+        env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
+    if s.throughput_optimized:
+        env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
+    return env
+
+
 def start_serving(cfg: ClawRayConfig, *, blocking: bool) -> str:
     """Start (or join) local Ray, run the app, return the base URL."""
     s = cfg.serving_cfg
@@ -50,8 +61,8 @@ def start_serving(cfg: ClawRayConfig, *, blocking: bool) -> str:
         # Direct ingress: the ingress replica also serves HTTP on its own port (30000 and up),
         # skipping the Serve proxy hop that costs about half the throughput on a small machine
         # (bench/README.md). Ray reads it when its processes start, so it is set before init.
-        if s.direct_ingress:
-            os.environ.setdefault("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1")
+        for key, value in serve_env(s).items():
+            os.environ.setdefault(key, value)
         ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     serve.start(
         http_options={"host": s.host, "port": s.port},

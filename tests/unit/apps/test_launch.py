@@ -51,3 +51,16 @@ def test_any_other_error_is_raised_at_once(monkeypatch):
     with pytest.raises(ValueError, match="num_cpus"):
         launch.init_local_ray(num_cpus=2)
     assert len(fake.inits) == 1 and fake.shutdowns == 0
+
+
+def test_serving_settings_name_the_ray_serve_environment():
+    from clawray.apps.launch import serve_env
+    from clawray.config import ClawRayConfig
+
+    def env(**serving):
+        return serve_env(ClawRayConfig().copy_with(serving=serving).serving_cfg)
+
+    assert env() == {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}  # the defaults
+    assert env(direct_ingress=False) == {}
+    assert env(direct_ingress=False, throughput_optimized=True) == {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}

@@ -206,3 +206,19 @@ def test_the_log_level_of_clawrays_lines_is_set_in_config(tmp_path):
             ClawRayConfig.from_dict({"tracking": {"log_level": "LOUD"}})
     finally:
         log.setLevel(before)
+
+
+def test_a_nested_setting_is_set_by_its_path_and_keeps_its_neighbours():
+    from clawray.config import ClawRayConfig, ConfigError, apply_sets
+
+    cfg = ClawRayConfig().copy_with(training={"loss": {"kl_coef": 0.3, "entropy_coef": 0.01}})
+    out = apply_sets(cfg, ["training.loss.kl_coef=0.1", "training.lr=0.5"])
+    assert out.training_cfg.loss.kl_coef == 0.1 and out.training_cfg.loss.entropy_coef == 0.01
+    assert out.training_cfg.lr == 0.5
+    # a dict-valued setting is replaced, not merged
+    res = cfg.copy_with(serving={"replica_resources": {"a": 1.0}})
+    assert res.copy_with(serving={"replica_resources": {"b": 2.0}}).serving_cfg \
+        .replica_resources == {"b": 2.0}
+    for bad in ("training.loss.nope=1", "training.loss.=1", "training=1"):
+        with pytest.raises(ConfigError):
+            apply_sets(cfg, [bad])

@@ -35,7 +35,6 @@ from typing import Any, Awaitable, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bodies import agent_turn  # noqa: E402
 from _report import machine_info  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
@@ -61,28 +60,15 @@ async def closed_loop(one: Callable[[], Awaitable[tuple[float, float, int]]], co
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import AutoTokenizer
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    from clawray.config import ClawRayConfig
     from clawray.inference.engine import SamplingParams
-    from clawray.inference.vllm.engine import VLLMEngine
-    from clawray.models.loader import policy_model_info
 
     import engines
 
-    path = engines.fit_window(str(policy_model_info(ClawRayConfig().model(path=args.model)).path))
-    body = agent_turn("bench", args.max_tokens, stream=True)
-    ids = AutoTokenizer.from_pretrained(path).apply_chat_template(
-        body["messages"], tools=body["tools"], add_generation_prompt=True, tokenize=True,
-        return_dict=True)["input_ids"]
-    vllm = engines.VLLM_ARGS
-    engine = VLLMEngine.from_config(
-        path, max_model_len=vllm["max_model_len"], dtype=vllm["dtype"],
-        kv_cache_memory_bytes=vllm.get("kv_cache_memory_bytes"), max_num_seqs=vllm["max_num_seqs"],
-        enable_prefix_caching=True)
+    path, ids, engine = engines.inproc_engine(args.model, args.max_tokens)
     ours = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     theirs = VLLMSamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                 output_kind=RequestOutputKind.DELTA)

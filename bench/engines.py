@@ -98,6 +98,28 @@ def fit_window(model: str) -> str:
     return model
 
 
+def inproc_engine(model: str, max_tokens: int, **settings: Any) -> tuple[str, list[int], Any]:
+    """(model folder, prompt ids of the agent turn rendered with the model's template and
+    tools, a ``VLLMEngine`` in this process with ``VLLM_ARGS``' settings and ``settings``) for
+    the in-process benchmarks (``engine_wrapper.py``, ``sync_under_load.py``)."""
+    from transformers import AutoTokenizer
+
+    from clawray.config import ClawRayConfig
+    from clawray.inference.vllm.engine import VLLMEngine
+    from clawray.models.loader import policy_model_info
+
+    path = fit_window(str(policy_model_info(ClawRayConfig().model(path=model)).path))
+    body = agent_turn("bench", max_tokens, stream=True)
+    ids = AutoTokenizer.from_pretrained(path).apply_chat_template(
+        body["messages"], tools=body["tools"], add_generation_prompt=True, tokenize=True,
+        return_dict=True)["input_ids"]
+    engine = VLLMEngine.from_config(
+        path, max_model_len=VLLM_ARGS["max_model_len"], dtype=VLLM_ARGS["dtype"],
+        kv_cache_memory_bytes=VLLM_ARGS.get("kv_cache_memory_bytes"),
+        max_num_seqs=VLLM_ARGS["max_num_seqs"], enable_prefix_caching=True, **settings)
+    return path, list(ids), engine
+
+
 # ------------------------------------------------------------------------------ servers
 
 

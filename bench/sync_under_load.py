@@ -37,7 +37,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bodies import agent_turn  # noqa: E402
 from _report import machine_info  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
@@ -69,29 +68,18 @@ def pct(xs: list[float], q: float) -> float | None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from clawray.config import ClawRayConfig
     from clawray.inference.engine import SamplingParams
-    from clawray.inference.vllm.engine import VLLMEngine
-    from clawray.models.loader import policy_model_info
 
     import engines
 
-    path = engines.fit_window(str(policy_model_info(ClawRayConfig().model(path=args.model)).path))
-    body = agent_turn("bench", args.max_tokens, stream=True)
-    ids = AutoTokenizer.from_pretrained(path).apply_chat_template(
-        body["messages"], tools=body["tools"], add_generation_prompt=True, tokenize=True,
-        return_dict=True)["input_ids"]
+    path, ids, engine = engines.inproc_engine(args.model, args.max_tokens, enable_lora=True,
+                                              max_lora_rank=RANK)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     payloads = [adapter_payload(model, seed) for seed in range(2)]
     del model
-    vllm = engines.VLLM_ARGS
-    engine = VLLMEngine.from_config(
-        path, max_model_len=vllm["max_model_len"], dtype=vllm["dtype"],
-        kv_cache_memory_bytes=vllm.get("kv_cache_memory_bytes"), max_num_seqs=vllm["max_num_seqs"],
-        enable_prefix_caching=True, enable_lora=True, max_lora_rank=RANK)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
     version = [0]
 

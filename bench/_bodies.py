@@ -111,3 +111,39 @@ def describe(path: Path) -> dict[str, Any]:
             "stream": body.get("stream", False), "stream_options": body.get("stream_options"),
             "max_completion_tokens": body.get("max_completion_tokens"),
             "tool_choice": body.get("tool_choice")}
+
+
+def agent_session(model: str, max_tokens: int) -> list[tuple[str, dict[str, Any]]]:
+    """A short agent session for a model whose window is below OpenClaw's ~18k-token prompts
+    (SmolLM2: 8,192): the agent turn, then three requests that each add the agent's step to
+    the history (a ``read`` call and its result, an ``exec`` call and its listing, a final
+    answer and the user's next question), each a prefix of the next, as an agent sends them.
+    ``(name, streamed body)`` pairs, greedy."""
+    first = agent_turn(model, max_tokens, stream=True)
+    readme = "\n".join(f"{i}. The project keeps its {w} in {w}/ and documents it in docs/{w}.md."
+                       for i, w in enumerate(("tests", "scripts", "ui", "data", "docs"), 1))
+    listing = "\n".join(f"-rw-r--r-- 1 user user {size:>8} Dec  6 01:00 {name}"
+                        for name, size in (("README.md", 4_812), ("Makefile", 1_204),
+                                           ("pyproject.toml", 2_950), ("data.csv", 8_402_113),
+                                           ("setup.cfg", 611), ("LICENSE", 11_357)))
+
+    def call(i: int, name: str, args: dict[str, Any]) -> dict[str, Any]:
+        return {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{i}", "type": "function",
+             "function": {"name": name, "arguments": json.dumps(args)}}]}
+
+    steps = [
+        [call(1, "read", {"path": "README.md"}),
+         {"role": "tool", "tool_call_id": "call_1", "content": readme}],
+        [call(2, "exec", {"command": "ls -la"}),
+         {"role": "tool", "tool_call_id": "call_2", "content": listing}],
+        [{"role": "assistant", "content": "The largest top-level file is data.csv (8.4 MB); "
+          "the others are under 12 KB."},
+         {"role": "user", "content": "Thanks. How many lines does data.csv have?"}],
+    ]
+    out = [("turn1", {**first, "temperature": 0})]
+    messages = list(first["messages"])
+    for i, step in enumerate(steps, 2):
+        messages = [*messages, *step]
+        out.append((f"turn{i}", {**first, "messages": messages, "temperature": 0}))
+    return out

@@ -22,7 +22,10 @@ Two scenarios, every response streamed and checked:
 - ``openclaw-session``: OpenClaw's captured session ``s1`` (``tests/fixtures/openclaw``:
   ``session_s1_t1``, ``t2``, ``t3_req1``, ``t3_req2``, 17.6k-18.0k prompt tokens each, each a
   prefix of the next plus the new turn) replayed in order as one streamed session, one request
-  at a time: TTFT of each, and the prompt tokens the server says it served from cache.
+  at a time: TTFT of each, and the prompt tokens the server says it served from cache. On a
+  model whose window is below those prompts (SmolLM2: 8,192) the session is
+  ``_bodies.agent_session`` instead (the agent turn, then a tool call and result, another,
+  and an answer and a new question: 592-1,046 tokens with SmolLM2's tokenizer).
 
 Every setup is started fresh, alone on the machine, measured and stopped before the next.
 clawray serves with records on (``record_sink: jsonl``): it records every turn while being
@@ -48,7 +51,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bodies import agent_turn, fixtures_dir  # noqa: E402
+from _bodies import agent_session, agent_turn, fixtures_dir  # noqa: E402
 from _report import machine_info  # noqa: E402
 from _servers import (  # noqa: E402
     BENCH, Servers, free_port, spawn, start_ray, stop, wait_healthy)
@@ -300,14 +303,25 @@ def pct(xs: list[float], q: int) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
 
 
+def session_bodies(max_tokens: int) -> list[tuple[str, dict[str, Any]]]:
+    """The OpenClaw session (``SESSION``) when its ~18k-token prompts fit the window, else
+    the short agent session of ``_bodies.agent_session``."""
+    if VLLM_ARGS["max_model_len"] < 20_000:
+        return agent_session(SERVED_NAME, max_tokens)
+    out = []
+    for name in SESSION:
+        body = json.loads((fixtures_dir() / f"{name}.json").read_text())["body"]
+        out.append((name, {**body, "model": SERVED_NAME, "max_completion_tokens": max_tokens,
+                           "temperature": 0, "stream": True,
+                           "stream_options": {"include_usage": True}}))
+    return out
+
+
 async def session(url: str, max_tokens: int) -> list[dict[str, Any]]:
-    """The OpenClaw session, request after request, as the agent sends it."""
+    """One agent session (``session_bodies``), request after request, as the agent sends it."""
     out = []
     async with httpx.AsyncClient(timeout=600) as client:
-        for name in SESSION:
-            body = json.loads((fixtures_dir() / f"{name}.json").read_text())["body"]
-            body = {**body, "model": SERVED_NAME, "max_completion_tokens": max_tokens,
-                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        for name, body in session_bodies(max_tokens):
             res = await stream_one(client, url, body)
             usage = res["usage"] or {}
             out.append({"request": name, "ttft_ms": res["ttft_s"] * 1e3,

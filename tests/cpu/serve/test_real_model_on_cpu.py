@@ -1,7 +1,8 @@
 """A real pretrained model through the app: SmolLM2-135M-Instruct (``bundled:smollm2``, converted
-by ``make setup``) served by the transformers engine, asked through the official OpenAI and
-Anthropic SDKs in every API, recorded token-exactly, its log-probs the learner's, its context
-window its own. Skipped, saying why, where the bundled model is not installed."""
+by ``make setup``) served by each engine in turn (transformers, then vLLM), asked through the
+official OpenAI and Anthropic SDKs in every API, recorded token-exactly, its log-probs the
+learner's, its context window its own. Skipped, saying why, where the bundled model (or, for
+the vLLM case, vLLM) is not installed."""
 
 from __future__ import annotations
 
@@ -19,21 +20,33 @@ def smollm2(smollm2_path):
     return smollm2_path
 
 
-@pytest.fixture(scope="module")
-def app(served, smollm2, tmp_path_factory):
+# How far a served log-prob may be from a transformers forward pass: the transformers engine
+# runs the same computation; vLLM's CPU kernels differ in the last digits (the conformance
+# suite's tolerance, tests/cpu/inference/test_engine_conformance_on_cpu.py).
+LOGPROB_TOLERANCE = {"hf": 1e-4, "vllm": 2e-3}
+
+
+@pytest.fixture(scope="module", params=["hf", "vllm"])
+def app(request, served, smollm2, tmp_path_factory):
+    import importlib.util
+
     from ray import serve
 
     from clawray.config import ClawRayConfig
     from tests.support.serving import side_app
 
-    records = tmp_path_factory.mktemp("smollm2") / "turns.jsonl"
+    engine = request.param
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed here (make setup installs it; see docs/vllm.md)")
+    records = tmp_path_factory.mktemp(f"smollm2-{engine}") / "turns.jsonl"
     cfg = (ClawRayConfig().model(path="bundled:smollm2")
-           .inference(engine="hf", max_running=4)
+           .inference(engine=engine, max_running=4,
+                      **({"kv_cache_gib": 0.5} if engine == "vllm" else {}))
            .serving(api_keys=[API_KEY], record_sink=["jsonl"], records_path=str(records),
                     default_max_tokens=16, replica_num_cpus=0.5))
-    client = side_app(served, cfg, APP)
-    yield client, records
-    serve.delete(APP)
+    client = side_app(served, cfg, f"{APP}-{engine}")
+    yield client, records, engine
+    serve.delete(f"{APP}-{engine}")
 
 
 def _record(path, session_id: str, timeout_s: float = 60.0):
@@ -55,7 +68,7 @@ def _record(path, session_id: str, timeout_s: float = 60.0):
 def test_the_sdks_get_its_answer_in_every_api(app):
     import anthropic
 
-    client, _ = app
+    client, _, _ = app
     model = client.models.list().data[0]
     assert model.id == "smollm2-135m-instruct"
     chat = client.chat.completions.create(
@@ -83,7 +96,7 @@ def test_a_turn_is_recorded_token_exactly_with_the_learners_log_probs(app, smoll
 
     from clawray.models.loader import load_model, load_tokenizer
 
-    client, records = app
+    client, records, engine = app
     sid = "smollm2-logprobs"
     reply = client.chat.completions.create(
         model="smollm2-135m-instruct", messages=[{"role": "user", "content": QUESTION}],
@@ -102,14 +115,15 @@ def test_a_turn_is_recorded_token_exactly_with_the_learners_log_probs(app, smoll
     learner = torch.log_softmax(logits[len(rec.prompt_ids) - 1:-1].float(), -1).gather(
         -1, torch.tensor(rec.response_ids)[:, None])[:, 0]
     assert len(served_lp) == len(rec.response_ids) == len(rec.response_logprobs)
-    assert max(abs(a - b) for a, b in zip(rec.response_logprobs, learner.tolist())) < 1e-4
+    assert max(abs(a - b) for a, b in zip(rec.response_logprobs, learner.tolist())) < \
+        LOGPROB_TOLERANCE[engine]
     assert max(abs(a - b) for a, b in zip(served_lp, rec.response_logprobs)) < 1e-5
 
 
 def test_its_own_context_window_gives_the_apis_error(app):
     import openai
 
-    client, _ = app
+    client, _, _ = app
     long = "hello " * 9000  # beyond SmolLM2's 8,192 positions
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=4,
@@ -128,7 +142,7 @@ def test_structured_output_and_tools_on_its_49k_vocabulary(app):
     rendered by the template clawray gives SmolLM2 (its own fails on one: docs/models.md)."""
     import json
 
-    client, _ = app
+    client, _, _ = app
     model = "smollm2-135m-instruct"
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
               "required": ["city"], "additionalProperties": False}

@@ -53,16 +53,17 @@ JUDGE_SFT = {"sft": {"steps": 400, "batch_size": 32}, "n_train": 4000}
 EVAL_POOL = "test"  # held-out requests (clawray/sim/users.py POOLS): no training user sends them
 SEED = 0
 # A real pretrained model (`--model bundled:smollm2` or a folder) instead of the embedded one:
-# LoRA adapters (vLLM serves each version as a LoRA request), no reference pass (the adapter is
-# the only change), shorter rounds (4 users: a LoRA step on SmolLM2 costs ~1 s per 100 tokens
-# on 2 cores), users at temperature 0.7 (at 1.0 SmolLM2-135M rambles), and the "concise"
-# preference: "brief" (8 words) is met by ~5% of SmolLM2's replies. The learning rate was
-# chosen on the validation pool (docs/models.md, "The live loop on SmolLM2"). Without a KL
-# term the trained replies shrink to one-word nonsense: a KL weight is still to be chosen.
+# LoRA adapters (vLLM serves each version as a LoRA request), k3 KL to the base model (the
+# same model with the adapter switched off), shorter rounds (4 users: a LoRA step on SmolLM2
+# costs ~1 s per 100 tokens on 2 cores), users at temperature 0.7 (at 1.0 SmolLM2-135M
+# rambles), and the "concise" preference: "brief" (8 words) is met by ~5% of SmolLM2's
+# replies. The learning rate and then the KL weight were chosen on the validation pool
+# (docs/models.md, "The live loop on SmolLM2"): without KL the trained replies shrank to
+# fragments and invented words; at 0.1 they stay short, grammatical sentences.
 REAL_MODEL = {"users": 4, "temperature": 0.7, "preference": "concise", "max_tokens": 32,
               "eval_n": 60,
               "config": {"training": {"lora_rank": 16, "lora_alpha": 32, "lr": 1e-3,
-                                      "loss": {"kl_coef": 0.0}},
+                                      "loss": {"kl_coef": 0.1}},
                          "inference": {"max_lora_rank": 16}}}
 
 
@@ -90,7 +91,8 @@ def demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED) -> ClawRayConfi
     ends with X-Session-Done, so the idle timeout only ends abandoned ones: at 5 s, a session
     whose next reply took longer to generate lost its earlier turn's next state (24% of the
     judged turns on SmolLM2 with 4 users on 2 cores: docs/models.md). A real model
-    (``is_real_model``) then gets ``REAL_MODEL["config"]``: LoRA, its learning rate, no KL."""
+    (``is_real_model``) then gets ``REAL_MODEL["config"]``: LoRA, its learning rate, and the
+    KL weight chosen on the validation pool (docs/models.md)."""
     cfg = cfg.copy_with(
         serving={"record_sink": ["hub"], "default_max_tokens": run_defaults(cfg)["max_tokens"]},
         sessions={"feedback_window_s": 0.0, "idle_timeout_s": 120.0, "flush_interval_s": 0.2},
@@ -372,13 +374,13 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
         "" if preference == "brief" else f"-{preference}") + (
         f"-{model}" if is_real_model(cfg) else "")
     arm = demo_arm(cfg, control)
-    for metric, value in (("satisfaction_before", before.rate), ("satisfaction_after",
-                                                                 after.rate),
-                          ("satisfaction_change", after.rate - before.rate),
-                          ("on_topic_before", before.on_topic),
-                          ("on_topic_after", after.on_topic)):
+    for metric, value, n in (("satisfaction_before", before.rate, before.n),
+                             ("satisfaction_after", after.rate, after.n),
+                             ("satisfaction_change", after.rate - before.rate, after.n),
+                             ("on_topic_before", before.on_topic, before.on_topic_n),
+                             ("on_topic_after", after.on_topic, after.on_topic_n)):
         if value is not None:
-            ledger.record(experiment, arm, seed, eval_pool, metric, value, n=after.n,
+            ledger.record(experiment, arm, seed, eval_pool, metric, value, n=n,
                           iterations=iterations)
     summary = {
         "seed": seed, "iterations": iterations, "users": users, "lockstep": lockstep,

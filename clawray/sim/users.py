@@ -48,7 +48,7 @@ import random
 import re
 import time
 import uuid
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import httpx
 import openai
@@ -295,6 +295,7 @@ class EvalResult:
     # Of the judged replies to questions and requests, the share that names the request's
     # topic (``on_topic``); None if there were none.
     on_topic: float | None = None
+    on_topic_n: int = 0  # the replies to questions and requests it is the share of
 
 
 async def _ask(client: openai.AsyncOpenAI, model: str, messages: list[dict[str, str]],
@@ -497,12 +498,13 @@ async def evaluate(base_url: str, api_key: str, model: str, *, n: int = 100, see
                       errors=sum(r.error is not None for r in recs),
                       policy_versions=sorted({r.policy_version for r in judged
                                               if r.policy_version is not None}),
-                      interactions=recs, on_topic=on_topic_rate(judged, pool))
+                      interactions=recs, **on_topic_rate(judged, pool))
 
 
-def on_topic_rate(interactions: Sequence[Interaction], pool: str) -> float | None:
-    """The share of ``interactions``' replies to questions and requests that name their
-    request's topic (``on_topic``); None if there were none."""
+def on_topic_rate(interactions: Sequence[Interaction], pool: str) -> dict[str, Any]:
+    """``on_topic``: the share of ``interactions``' replies to questions and requests that
+    name their request's topic (``on_topic``; None if there were none); ``on_topic_n``: how
+    many replies that share is of."""
     hits = [on_topic(i.reply or "", topic_words(i.request, pool)) for i in interactions]
     hits = [h for h in hits if h is not None]
-    return sum(hits) / len(hits) if hits else None
+    return {"on_topic": sum(hits) / len(hits) if hits else None, "on_topic_n": len(hits)}

@@ -247,3 +247,15 @@ def test_on_topic_asks_that_a_reply_names_its_requests_fill_words():
     for pool in POOLS:
         for kind, text in eval_messages(200, 3, pool=pool):
             assert bool(topic_words(text, pool)) == (kind != "greeting"), (pool, text)
+
+
+def test_on_topic_rate_is_a_share_of_the_replies_to_questions_and_requests():
+    from clawray.sim.users import Interaction, on_topic_rate
+
+    def rec(request: str, reply: str) -> Interaction:
+        return Interaction(-1, "s", 1, "question", request, reply, True, 0, 0.0)
+
+    recs = [rec("Is Venus a safe destination?", "Venus is hot."),
+            rec("What currency is used in Nepal?", "Money."), rec("Howdy!", "Hi!")]
+    assert on_topic_rate(recs, "test") == {"on_topic": 0.5, "on_topic_n": 2}
+    assert on_topic_rate([recs[2]], "test") == {"on_topic": None, "on_topic_n": 0}

@@ -89,7 +89,7 @@ def test_a_real_model_gets_lora_its_own_rate_and_the_concise_preference(tmp_path
     real = demo_config(ClawRayConfig().copy_with(model={"path": "bundled:smollm2"}), tmp_path,
                        seed=3)
     t = real.training_cfg
-    assert is_real_model(real) and (t.lora_rank, t.lr, t.loss.kl_coef, t.seed) == (16, 1e-3, 0, 3)
+    assert is_real_model(real) and (t.lora_rank, t.lr, t.loss.kl_coef, t.seed) == (16, 1e-3, 0.1, 3)
     assert real.inference_cfg.max_lora_rank >= t.lora_rank  # vLLM serves the adapters
     assert t.checkpoint_dir == str(tmp_path / "checkpoints")  # the demo's own settings stay
     defaults = run_defaults(real)

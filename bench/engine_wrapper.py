@@ -12,7 +12,9 @@ tokens, streamed, in closed loops at c = 1 and 8:
 - ``clawray``: ``VLLMEngine.generate_stream`` (admission, sampling settings with log-probs of
   the sampled tokens, per-token policy versions, the deltas clawray's ingress consumes);
 - ``raw``: ``engine._llm.generate`` with the settings ``vllm serve`` would pass (DELTA outputs,
-  no log-probs).
+  no log-probs);
+- ``raw-logprobs``: the same with the sampled token's log-prob at every position
+  (``logprobs=0``, no detokenization), which clawray asks for to record each turn.
 
 The two alternate within each round (the order reversed every other round): one paired ratio
 per round and level. Writes ``bench/results/engine_wrapper.json``. Where clawray over Serve
@@ -72,6 +74,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ours = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     theirs = VLLMSamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                 output_kind=RequestOutputKind.DELTA)
+    # what clawray asks of vLLM beyond that: the sampled token's log-prob at every position
+    # (the record RL trains from), with the raw log-prob mode clawray starts vLLM in
+    theirs_lp = VLLMSamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=0,
+                                   detokenize=False, output_kind=RequestOutputKind.DELTA)
 
     async def clawray_one() -> tuple[float, float, int]:
         t0, ttft, n = time.perf_counter(), None, 0
@@ -81,9 +87,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             n += len(delta.token_ids)
         return time.perf_counter() - t0, ttft or 0.0, n
 
-    async def raw_one() -> tuple[float, float, int]:
+    async def raw(params: VLLMSamplingParams) -> tuple[float, float, int]:
         t0, ttft, n = time.perf_counter(), None, 0
-        async for out in engine._llm.generate(TokensPrompt(prompt_token_ids=ids), theirs,
+        async for out in engine._llm.generate(TokensPrompt(prompt_token_ids=ids), params,
                                               f"raw-{uuid.uuid4().hex}"):
             for c in out.outputs:
                 if ttft is None and c.token_ids:
@@ -91,7 +97,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 n += len(c.token_ids)
         return time.perf_counter() - t0, ttft or 0.0, n
 
-    setups = {"clawray": clawray_one, "raw": raw_one}
+    setups = {"clawray": clawray_one, "raw": lambda: raw(theirs),
+              "raw-logprobs": lambda: raw(theirs_lp)}
     levels = [int(c) for c in args.concurrency.split(",")]
 
     async def measure() -> list[dict[str, Any]]:
@@ -114,12 +121,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summary = []
     for c in levels:
         by = {(x["round"], x["setup"]): x for x in cells if x["concurrency"] == c}
-        ratios = [by[(r, "clawray")]["req_per_s"] / by[(r, "raw")]["req_per_s"]
-                  for r in range(args.rounds)]
-        summary.append({"concurrency": c, "req_per_s_ratio_mean": statistics.fmean(ratios),
-                        "req_per_s_ratio_sem": (statistics.stdev(ratios) / len(ratios) ** 0.5
-                                                if len(ratios) > 1 else None),
-                        "req_per_s_ratios": ratios})
+        for name in ("clawray", "raw-logprobs"):
+            ratios = [by[(r, name)]["req_per_s"] / by[(r, "raw")]["req_per_s"]
+                      for r in range(args.rounds)]
+            summary.append({"setup": name, "baseline": "raw", "concurrency": c,
+                            "req_per_s_ratio_mean": statistics.fmean(ratios),
+                            "req_per_s_ratio_sem": (statistics.stdev(ratios) / len(ratios) ** 0.5
+                                                    if len(ratios) > 1 else None),
+                            "req_per_s_ratios": ratios})
     return {"command": " ".join([Path(sys.executable).name, *sys.argv]),
             "machine": machine_info(), "model": path, "prompt_tokens": len(ids),
             "settings": {"rounds": args.rounds, "concurrency": levels,
@@ -142,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     for s in report["summary"]:
-        print(f"clawray / raw AsyncLLM @ c={s['concurrency']}: req/s x"
+        print(f"{s['setup']} / raw AsyncLLM @ c={s['concurrency']}: req/s x"
               f"{s['req_per_s_ratio_mean']:.3f} ± {s['req_per_s_ratio_sem'] or 0:.3f} (rounds "
               f"{', '.join(f'{x:.2f}' for x in s['req_per_s_ratios'])})")
     print(f"wrote {out}")

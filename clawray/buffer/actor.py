@@ -20,8 +20,9 @@ import pyarrow as pa
 import ray
 
 from clawray.buffer.core import SampleBufferCore, SealJob, Slice, hold_as_writer
-from clawray.config import BufferConfig
+from clawray.config import BufferConfig, PartPlacement
 from clawray.names import NAMESPACE
+from clawray.placement import actor_options
 
 logger = logging.getLogger(__name__)
 
@@ -229,10 +230,13 @@ class SampleBuffer:
         return "pong"
 
 
-def start_sample_buffer(cfg: BufferConfig, name: str, namespace: str = NAMESPACE) -> Any:
+def start_sample_buffer(cfg: BufferConfig, name: str, namespace: str = NAMESPACE,
+                        placement: PartPlacement | None = None) -> Any:
     """The named, detached SampleBuffer (created if missing); it restarts after a crash and
-    recovers from ``cfg.path``. In-flight calls fail on a crash (no retries): callers retry."""
+    recovers from ``cfg.path``. In-flight calls fail on a crash (no retries): callers retry.
+    ``placement`` (``placement.buffer``): the node it must run on, whose disk holds the path."""
     return SampleBuffer.options(
         name=name, namespace=namespace, get_if_exists=True, lifetime="detached",
         max_restarts=-1, max_task_retries=0, num_cpus=0,
+        **(actor_options(placement) if placement is not None else {}),
     ).remote(cfg.model_dump(), name)

@@ -23,7 +23,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from clawray.buffer.core import Slice, fetch
-from clawray.config import TrainingConfig
+from clawray.config import PartPlacement, TrainingConfig
 from clawray.learner.adapters import AdapterStore, UserAdapters, restart_lora
 from clawray.learner.learner import LearnerCore, combine_rank_metrics, init_distributed
 from clawray.weights.sync import make_weight_sync
@@ -156,14 +156,21 @@ class LearnerGroup:
     """``num_learners`` DeepSpeed ranks; every call goes to all of them."""
 
     def __init__(self, model_path: str | Path, cfg: TrainingConfig,
-                 setup_timeout_s: float = 600.0) -> None:
+                 setup_timeout_s: float = 600.0, placement: PartPlacement | None = None
+                 ) -> None:
+        """``placement``: custom resources and node labels of each rank's bundle
+        (``placement.learner``)."""
         self.cfg = cfg
         n = cfg.num_learners
         bundle: dict[str, float] = {"CPU": cfg.learner_num_cpus}
         if cfg.learner_num_gpus:
             bundle["GPU"] = cfg.learner_num_gpus
+        if placement is not None:
+            bundle.update(placement.resources)
+        labels = dict(placement.labels) if placement is not None else {}
         self.pg = placement_group([dict(bundle) for _ in range(n)],
-                                  strategy=cfg.placement_strategy)
+                                  strategy=cfg.placement_strategy,
+                                  **({"bundle_label_selector": [labels] * n} if labels else {}))
         try:
             ray.get(self.pg.ready(), timeout=setup_timeout_s)
         except ray.exceptions.GetTimeoutError:

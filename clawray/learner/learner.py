@@ -49,6 +49,22 @@ TOKEN_MEANS = ("clip_frac", "ratio_mean", "is_weight_mean", "is_truncated_frac",
 MAXES = ("ratio_max", "is_weight_max")
 
 
+def node_address() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds ``address`` (``None`` if none does)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return None
+
+
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
                      backend: str | None = None) -> None:
     """Join the DeepSpeed process group (gloo on CPU, nccl on GPU) once per process."""
@@ -61,6 +77,13 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
                                f"{dist.get_world_size()}, not {rank} of {world_size}")
         return
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "gloo" and world_size > 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # Gloo advertises the address its host name resolves to, often 127.0.0.1 or
+        # 127.0.1.1 (/etc/hosts): ranks on other hosts then connect to themselves. Use the
+        # interface that holds this node's Ray address (found on two real hosts).
+        iface = interface_of(node_address())
+        if iface:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK="0")
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,

@@ -280,7 +280,7 @@ class RLAnythingLoop:
             self.rm_buffer = start_sample_buffer(
                 cfg.buffer_cfg.model_copy(update={"path": cfg.buffer_cfg.path.rstrip("/") + "-rm",
                                                   "seal_age_s": e.buffer_seal_age_s}),
-                name=rm_buffer_name(app), namespace=NAMESPACE)
+                name=rm_buffer_name(app), namespace=NAMESPACE, placement=cfg.placement_cfg.buffer)
             ray.get(self.rm_buffer.ping.remote())
         self.step_no = 0
 

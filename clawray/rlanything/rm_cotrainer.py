@@ -102,7 +102,8 @@ class RMCoTrainer:
                 "'rlanything' and rlanything.rm_backend 'server'?") from e
         self.publisher = WeightPublisher(self.channel, lora=bool(self.cfg.lora_rank),
                                          timeout_s=self.cfg.sync_timeout_s)
-        self.learner = LearnerGroup(judge_model_info(cfg).path, self.cfg)
+        self.learner = LearnerGroup(judge_model_info(cfg).path, self.cfg,
+                                    placement=cfg.placement_cfg.learner)
         self.publisher.attach(self.learner)
         self._dirty = False  # trained since the last publish
         self._rng = np.random.default_rng(self.cfg.seed)

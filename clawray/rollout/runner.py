@@ -36,6 +36,7 @@ from clawray.envs.rollout import Episode, group_diagnostics, group_rows, play_ep
 from clawray.inference.engine import SamplingParams
 from clawray.models.loader import load_tokenizer, policy_model_info
 from clawray.names import NAMESPACE, curriculum_name, env_buffer_name
+from clawray.placement import actor_options
 
 logger = logging.getLogger(__name__)
 GROUP_TRIES = 3
@@ -207,7 +208,8 @@ class EnvRunnerGroup:
         buffer_cfg = cfg.buffer_cfg.model_copy(update={
             "path": cfg.buffer_cfg.path.rstrip("/") + "-env",
             "seal_age_s": min(cfg.buffer_cfg.seal_age_s, e.buffer_seal_age_s)})
-        self.buffer = start_sample_buffer(buffer_cfg, name=names["buffer"], namespace=NAMESPACE)
+        self.buffer = start_sample_buffer(buffer_cfg, name=names["buffer"], namespace=NAMESPACE,
+                                          placement=cfg.placement_cfg.buffer)
         self.curriculum = get_or_create_curriculum(
             names["curriculum"], namespace=NAMESPACE, family_name=e.family,
             family_kwargs=e.family_kwargs, sampler=c.sampler,
@@ -233,6 +235,7 @@ class EnvRunnerGroup:
             num_cpus=max(self.cfg.environments_cfg.runner_num_cpus, 0.01),
             scheduling_strategy="SPREAD",
             max_restarts=0, runtime_env=self.cfg.environments_cfg.runtime_env,
+            **actor_options(self.cfg.placement_cfg.env_runners),
         ).remote(self.cfg.to_dict(), self.app, rid)
         return rid
 

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import ray
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from clawray.config import ClawRayConfig
 from clawray.judging.backends import needs_server
 from clawray.models.loader import check_teacher_tokenizer
+from clawray.placement import actor_options, check_placement
 from clawray.serve.judge_server import JudgeServer
 from clawray.serve.ingress import Ingress
 from clawray.serve.policy_server import PolicyServer
@@ -75,27 +77,45 @@ def build_app(args: dict[str, Any] | ClawRayConfig | None = None) -> Application
         raise ValueError(problem)
     check_teacher_tokenizer(cfg)
     data = deployment_args(cfg)
-    actor = {"num_cpus": s.replica_num_cpus, "num_gpus": s.replica_num_gpus,
-             **({"resources": dict(s.replica_resources)} if s.replica_resources else {})}
+    place = cfg.placement_cfg
+    engine = {"num_cpus": s.replica_num_cpus, "num_gpus": s.replica_num_gpus}
+    # the engine replicas: the policy's placement (the colocated ingress holds the engine)
+    actor = {**engine, **actor_options(place.policy, s.replica_resources)}
+    spread = ({"max_replicas_per_node": place.policy.max_per_node}
+              if place.policy.max_per_node else {})
     affine = {}
     if s.session_affinity:  # a session's turns go to the replica that has its prefix
         affine["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
     ingress = Ingress.options(num_replicas=s.ingress_replicas,
                               max_ongoing_requests=s.max_ongoing_requests,
                               **(affine if s.layout == "colocated" else {}))
+    ingress_spread = place.ingress.max_per_node or (place.policy.max_per_node
+                                                    if s.layout == "colocated" else None)
+    if ingress_spread:
+        ingress = ingress.options(max_replicas_per_node=ingress_spread)
     judge = None
     live_judge = needs_server(cfg.judge_cfg) and "hub" in s.record_sink
     step_rm = (cfg.training_cfg.mode == "rlanything"
                and cfg.rlanything_cfg.rm_backend == "server")
+    if ray.is_initialized():  # a part no node can hold would stay pending forever
+        check_placement(cfg, ray.nodes(),
+                        ("ingress", "policy") + (("judge",) if live_judge or step_rm else ()))
     if live_judge or step_rm:
         # Bound into the ingress only to keep it in the app; callers find it by name.
         # Serve's default max_ongoing_requests (5) would queue calls in the handle's router,
         # out of the engine's sight and cancellation; the engine's own scheduler queues them.
-        judge = JudgeServer.options(ray_actor_options=actor,
-                                    max_ongoing_requests=s.max_ongoing_requests).bind(data)
+        judge = JudgeServer.options(
+            ray_actor_options={**engine, **actor_options(place.judge, s.replica_resources)},
+            max_ongoing_requests=s.max_ongoing_requests,
+            **({"max_replicas_per_node": place.judge.max_per_node}
+               if place.judge.max_per_node else {})).bind(data)
     if s.layout == "colocated":
-        return ingress.options(ray_actor_options=actor).bind(data, None, judge)
+        colocated = {**actor, **actor_options(place.ingress, actor.get("resources"))}
+        if place.policy.labels or place.ingress.labels:
+            colocated["label_selector"] = {**place.policy.labels, **place.ingress.labels}
+        return ingress.options(ray_actor_options=colocated).bind(data, None, judge)
     policy = PolicyServer.options(num_replicas=s.policy_replicas,
                                   max_ongoing_requests=s.max_ongoing_requests,
-                                  ray_actor_options=actor, **affine)
-    return ingress.options(ray_actor_options={"num_cpus": 0}).bind(data, policy.bind(data), judge)
+                                  ray_actor_options=actor, **affine, **spread)
+    return ingress.options(ray_actor_options={"num_cpus": 0, **actor_options(place.ingress)}
+                           ).bind(data, policy.bind(data), judge)

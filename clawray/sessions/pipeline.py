@@ -91,7 +91,8 @@ def journal_path(cfg: ClawRayConfig, app_name: str, shard: int) -> str | None:
 def start_live_pipeline(cfg: ClawRayConfig, app_name: str = "clawray") -> LivePipeline:
     """Create (or attach to) the app's buffer, voters and hubs."""
     n = names(app_name, cfg)
-    buffer = start_sample_buffer(cfg.buffer_cfg, name=n["buffer"], namespace=NAMESPACE)
+    buffer = start_sample_buffer(cfg.buffer_cfg, name=n["buffer"], namespace=NAMESPACE,
+                                 placement=cfg.placement_cfg.buffer)
     detached = {"namespace": NAMESPACE, "get_if_exists": True, "lifetime": "detached",
                 "max_restarts": -1, "max_task_retries": -1}
     voters = [PRMVoter.options(name=v, **detached).remote(cfg.judge_cfg.model_dump(), app_name)

@@ -47,6 +47,7 @@ from clawray.config import ClawRayConfig
 from clawray.gate.actor import start_policy_gate
 from clawray.learner.group import LearnerGroup
 from clawray.models.loader import policy_model_info
+from clawray.placement import check_placement
 from clawray.rlanything.loop import RLAnythingLoop
 from clawray.rollout.runner import EnvRunnerGroup
 from clawray.samples import policy_user_of
@@ -127,6 +128,10 @@ def batch_stats(table: pa.Table, version: int) -> dict[str, float]:
     return out
 
 
+class LearnerLost(RuntimeError):
+    """A learner rank died (its process or its node): the job stops, saying how to resume."""
+
+
 class Trainer(tune.Trainable):
     """clawray's algorithm; ``config`` is a clawray config as a dict (``cfg.to_dict()``)."""
 
@@ -149,6 +154,9 @@ class Trainer(tune.Trainable):
         nccl = inf.weight_transfer == "nccl"  # vLLM replicas created for NCCL (GPU)
         if nccl:
             check_nccl_available()  # before anything starts: a clear error without CUDA/vLLM
+        # a learner rank, the buffer or a runner that no node can hold would wait forever
+        check_placement(self.cfg, ray.nodes(), ("learner", "buffer") + (
+            ("env_runners",) if t.mode != "live" else ()))
         self._ensure_app()
         self.pipeline = start_live_pipeline(self.cfg, self.app)
         self.publisher = WeightPublisher(self.app, lora=bool(t.lora_rank),
@@ -156,7 +164,8 @@ class Trainer(tune.Trainable):
                                          followers=[self.pipeline.buffer],
                                          transport="nccl" if nccl else "object_store",
                                          ranks_per_replica=inf.tensor_parallel_size)
-        self.learner = LearnerGroup(policy_model_info(self.cfg).path, t)
+        self.learner = LearnerGroup(policy_model_info(self.cfg).path, t,
+                                    placement=self.cfg.placement_cfg.learner)
         self.publisher.attach(self.learner)
         self.envs = None
         self.rla = None
@@ -225,6 +234,20 @@ class Trainer(tune.Trainable):
         self._log(result, started)
         return result
 
+    def _lost_message(self, e: Exception) -> str:
+        t, b = self.cfg.training_cfg, self.cfg.buffer_cfg
+        cause = str(e).strip().splitlines()
+        where = next((line.strip() for line in cause if line.strip().startswith("ip:")), "")
+        why = next((line.strip() for line in reversed(cause) if line.strip()), type(e).__name__)
+        lease = (f"again once its lease ends ({b.lease_s:g} s)" if b.lease_s is not None
+                 else "again to the next trainer")
+        return (f"a learner rank died ({where or 'node unknown'}: {why}). The job stops: "
+                f"restart it when the cluster can hold the learner again (placement.learner "
+                f"{self.cfg.placement_cfg.learner.model_dump()}, {t.num_learners} rank(s), "
+                f"{t.placement_strategy}); it resumes from the last checkpoint under "
+                f"{self.checkpoint_dir} (this run is at policy version {self.version}). The "
+                f"batch it was training was not acknowledged: the buffer delivers it {lease}.")
+
     def _train(self, slices: list[Any]) -> dict[str, Any]:
         """Train on a taken batch: per-user, each picked user's adapter on their rows; else,
         less rows trained already (and, with the gate, rows of abandoned versions), one shared
@@ -244,7 +267,10 @@ class Trainer(tune.Trainable):
             return out
         out.update(batch_stats(table, self.version))
         with self.metrics.log_time("time_update_s", reduce="mean", window=WINDOW):
-            out.update(self.learner.update(slices))
+            try:
+                out.update(self.learner.update(slices))
+            except ray.exceptions.RayActorError as e:
+                raise LearnerLost(self._lost_message(e)) from e
         self.trained.add(table.column("sample_id").to_pylist())
         self.updates += 1
         if out.get("optimizer_steps", 0) and self.updates % t.sync_every == 0:

@@ -107,3 +107,17 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def checks_of(proc) -> dict[str, dict]:
+    """A check script's JSON lines (``{"check": name, ...}``) by name, and its exit status and
+    stderr's end under ``"stderr"`` (tests/support/multinode.py, twohost.py)."""
+    import json
+
+    checks = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            out = json.loads(line)
+            checks[out["check"]] = out
+    checks["stderr"] = {"rc": proc.returncode, "tail": proc.stderr[-4000:]}
+    return checks

@@ -1,23 +1,19 @@
-"""Run as a script by test_multinode_on_cpu.py: one simulated 2-node cluster
-(``ray.cluster_utils.Cluster``, 2 CPUs per node) for the two multi-node checks, one JSON line each:
+"""Run as a script by test_multinode_on_cpu.py: a simulated cluster
+(``ray.cluster_utils.Cluster``) for the node-kill check, one JSON line:
 
-- ``learner``: one learner rank per node (STRICT_SPREAD; ZeRO 2, two micro-batches) gives the
-  same update, loss and token count as one rank on the same data, the ranks' shares adding up
-  to the batch;
-- ``envs``: a Serve app on the embedded tiny model and an ``EnvRunnerGroup`` of 2 runners
-  (SPREAD), each playing one GRPO group; the nodes of the cluster and of the runners, groups,
-  episodes, steps and rows (counted by the runners and read back from the env buffer's WAL).
-- ``node_kill``: a third node joins; a clawray app whose replica is pinned to it
+- ``node_kill``: a node joins; a clawray app whose replica is pinned to it
   (``serving.replica_resources``) serves a turn with vLLM; the node is then killed abruptly
-  (SIGKILL to the replica's worker and, ``remove_node(allow_graceful=False)``, its raylet). The pids of the replica, its
-  ``VLLM::`` engine processes and their watchdog (clawray/inference/watchdog.py), and which of
-  them still run 120 s later at most. Before the watchdog, the engine processes stayed alive
-  under init, ~3 GB a pair, for as long as the machine ran.
+  (SIGKILL to the replica's worker and, ``remove_node(allow_graceful=False)``, its raylet). The
+  pids of the replica, its ``VLLM::`` engine processes and their watchdog
+  (clawray/inference/watchdog.py), and which of them still run 120 s later at most. Before the
+  watchdog, the engine processes stayed alive under init, ~3 GB a pair, for as long as the
+  machine ran.
 
-Arguments: a timeout in seconds for the groups (default 180) and ``runner_num_cpus`` (default
-0.25; with 0, Ray places zero-resource actors on a random node, SPREAD or not, so the runners
-often share one). A separate process, because a test session shares one Ray cluster and this
-one needs its own; one cluster for both checks, because starting one costs ~15 s of the suite.
+``check_learner`` (learner ranks on two nodes update like one) and ``check_envs`` (runners on
+two nodes play and write their groups) run on two real hosts instead
+(tests/support/twohost.py); they used to run here.
+
+A separate process, because a test session shares one Ray cluster and this one needs its own.
 """
 
 from __future__ import annotations
@@ -64,13 +60,16 @@ def check_learner(model_path: str) -> dict:
             payloads[n] = group.sync_payload()[1]
         finally:
             group.shutdown()
+    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     return {"check": "learner", "nodes": len(ray.nodes()), "rank_nodes": len(nodes[2]),
+            "rank_addresses": sorted(address.get(n, "?") for n in nodes[2]),
             "rows": table.num_rows, "metrics": {n: {k: metrics[n][k] for k in
                                                     ("loss", "tokens", "rows")} for n in (1, 2)},
             **update_distance(model_path, payloads[1], payloads[2])}
 
 
-def check_envs(tmp: str, timeout_s: float, runner_num_cpus: float) -> dict:
+def check_envs(tmp: str, timeout_s: float, runner_num_cpus: float,
+               placement: dict | None = None) -> dict:
     import pyarrow.dataset as ds
     import ray
     from ray import serve
@@ -86,7 +85,8 @@ def check_envs(tmp: str, timeout_s: float, runner_num_cpus: float) -> dict:
            .environments(family="household", num_runners=RUNNERS,
                          runner_num_cpus=runner_num_cpus, concurrency=1,
                          group_size=GROUP_SIZE, max_tokens=8, seed=3, history_window=0)
-           .curriculum(sampler="uniform"))
+           .curriculum(sampler="uniform")
+           .placement(**(placement or {})))
     serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
     started = time.perf_counter()
     group = EnvRunnerGroup(cfg, APP)
@@ -235,7 +235,7 @@ def check_node_kill(cluster, tmp: str) -> dict:
             **({} if engines and watchdogs else {"tree": titles})}
 
 
-def main(model_path: str, timeout_s: float, runner_num_cpus: float) -> None:
+def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
@@ -243,18 +243,12 @@ def main(model_path: str, timeout_s: float, runner_num_cpus: float) -> None:
     tmp = tempfile.mkdtemp(prefix="clawray-multinode-")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     try:
-        cluster.add_node(num_cpus=2)
-        cluster.wait_for_nodes()
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False,
                  logging_level="WARNING", namespace="clawray-multinode")
-        # Each check prints its line as soon as it is done, so one failing leaves the other.
-        for check in (lambda: check_learner(model_path),
-                      lambda: check_envs(tmp, timeout_s, runner_num_cpus),
-                      lambda: check_node_kill(cluster, tmp)):
-            try:
-                print(json.dumps(check()), flush=True)
-            except Exception as e:  # noqa: BLE001 - reported, then the next check runs
-                print(f"check failed: {e!r}", file=sys.stderr, flush=True)
+        try:
+            print(json.dumps(check_node_kill(cluster, tmp)), flush=True)
+        except Exception as e:  # noqa: BLE001 - reported; the test names what is missing
+            print(f"check failed: {e!r}", file=sys.stderr, flush=True)
     finally:
         # ray.shutdown() ends Serve's actors with the cluster (serve.shutdown() would first
         # drain for ~30 s); the Cluster then stops the nodes' raylets and the GCS.
@@ -266,5 +260,4 @@ def main(model_path: str, timeout_s: float, runner_num_cpus: float) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 180.0,
-         float(sys.argv[3]) if len(sys.argv) > 3 else 0.25)
+    main()

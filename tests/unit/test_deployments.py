@@ -90,8 +90,67 @@ def test_the_secret_the_volume_and_the_metrics_port_are_wired_alike(service):
 
 def test_the_image_is_built_by_the_setup_ci_runs():
     dockerfile = (KUBE / "Dockerfile").read_text()
-    assert re.search(r"^RUN make setup\b", dockerfile, re.M)
+    assert re.search(r"^RUN (CLAWRAY_CUDA=\S+ )?make setup\b", dockerfile, re.M)
     makefile = (REPO / "Makefile").read_text()
     assert re.search(r"^setup:\n\tbash scripts/setup\.sh$", makefile, re.M)
     assert re.search(r"^test: setup$", makefile, re.M)
     assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+def _nodes_of(svc: dict) -> list[dict]:
+    """The Ray nodes a RayService's groups start (``ray start`` params -> ``ray.nodes()``
+    entries), each group at its ``replicas``."""
+    nodes = []
+    cluster = svc["spec"]["rayClusterConfig"]
+    for i, group in enumerate([cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]):
+        p = group["rayStartParams"]
+        labels = dict(kv.split("=", 1) for kv in p.get("labels", "").split(",") if kv)
+        for k in range(group.get("replicas", 1)):
+            nodes.append({"NodeManagerAddress": f"10.0.{i}.{k}", "Alive": True,
+                          "Labels": labels, "Resources": {"CPU": float(p["num-cpus"]),
+                                                          "GPU": float(p.get("num-gpus", 0))}})
+    return nodes
+
+
+def test_the_gpu_service_places_each_part_on_its_own_group(tmp_path, monkeypatch):
+    """The GPU RayService (not run: no GPU, no cluster): its app passes clawray's check with
+    the model folder present; every part it places (ingress and buffer on the head, a vLLM
+    replica of tensor_parallel_size GPUs per serving node, both learner ranks on the train
+    node) fits the nodes its groups start, by the same check the app and trainer run at start;
+    with one serving node too few, the policy's placement is refused."""
+    from clawray.placement import PlacementError, check_placement
+
+    (svc,) = docs("rayservice-gpu.yaml")
+    serve_config = yaml.safe_load(svc["spec"]["serveConfigV2"])
+    (app,) = serve_config["applications"]
+    args = app["args"]
+    assert yaml.safe_load((KUBE / "train-gpu.yaml").read_text()) == args
+    (job,) = docs("rayjob-train-gpu.yaml")
+    assert "deployments/kuberay/train-gpu.yaml" in job["spec"]["entrypoint"]
+    (models,) = docs("pvc-models.yaml")
+    model = tmp_path / "model"
+    model.mkdir()
+    args["model"]["path"] = str(model)
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(serve_config))
+    monkeypatch.setenv("CLAWRAY_API_KEYS", "sk-test")
+    cfg = load_config(str(path), app["name"]).check()
+    assert cfg.inference_cfg.tensor_parallel_size == cfg.serving_cfg.replica_num_gpus == 2
+    nodes = _nodes_of(svc)
+    check_placement(cfg, nodes)
+    serving = [n for n in nodes if n["Labels"].get("clawray-host") == "serving"]
+    with pytest.raises(PlacementError, match="placement.policy"):
+        check_placement(cfg, [n for n in nodes if n is not serving[-1]])
+    for group in pods(svc):  # the models volume, read-only, on every pod
+        spec = group["template"]["spec"]
+        (container,) = spec["containers"]
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
+                  for v in spec["volumes"] if "persistentVolumeClaim" in v}
+        assert claims["models"] == models["metadata"]["name"]
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["models"]["readOnly"] and \
+            yaml.safe_load((KUBE / "train-gpu.yaml").read_text())["model"]["path"].startswith(
+                mounts["models"]["mountPath"] + "/")
+    dockerfile = (KUBE / "Dockerfile").read_text()
+    assert "CLAWRAY_CUDA=$CLAWRAY_CUDA make setup" in dockerfile
+    assert 'CLAWRAY_CUDA:-0}" = 1' in (REPO / "scripts" / "setup.sh").read_text()

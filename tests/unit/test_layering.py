@@ -21,7 +21,8 @@ PACKAGE = REPO / "clawray"
 
 # lowest first; a part may import from its own layer and below
 LAYERS: list[tuple[str, ...]] = [
-    ("clawray", "config", "samples", "records", "files", "stats", "names", "ledger"),
+    ("clawray", "config", "samples", "records", "files", "stats", "names", "ledger",
+     "placement"),
     # ^ data contracts
     ("models",),
     ("inference",),
@@ -45,7 +46,8 @@ DOMAIN = ("envs", "curriculum", "rlanything", "sessions", "judging", "learner", 
           "weights", "gate")
 # Ray-free cores: plain Python, testable without a cluster
 RAY_FREE = ("clawray.config", "clawray.samples", "clawray.records", "clawray.files",
-            "clawray.stats", "clawray.names", "clawray.ledger", "clawray.buffer.core",
+            "clawray.stats", "clawray.names", "clawray.ledger", "clawray.placement",
+            "clawray.buffer.core",
             "clawray.sessions.core", "clawray.sessions.matching", "clawray.sessions.rows",
             "clawray.learner.losses", "clawray.learner.batch", "clawray.curriculum.alp_gmm",
             "clawray.curriculum.samplers", "clawray.curriculum.core", "clawray.rlanything.core",

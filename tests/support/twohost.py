@@ -7,7 +7,9 @@ one (``ray start --head``, host "a") and a worker in the other (``ray start --ad
 a host lives in its namespace, so Ray's traffic between the hosts (GCS, object transfers,
 gloo) crosses the veth link, and a host can be lost on its own.
 
-``python twohost.py MODEL_PATH`` (the orchestrator) makes the hosts, runs this file again with
+``python twohost.py MODEL_PATH [TIMEOUT_S] [--ray-health-defaults] [--resume]`` (the
+orchestrator; by default Ray's node health checks are shortened, ``FAST_DETECTION``;
+``--resume`` adds ``check_return``, host b coming back, not run by the test) makes the hosts, runs this file again with
 ``--driver`` inside host a (the driver is a Ray client of the head, as a job would be), prints
 the driver's JSON lines (one per check), and then removes everything it made whatever happened:
 every process in either namespace, the namespaces (with the link), the Ray temp dir. Each
@@ -24,12 +26,14 @@ The driver's checks, in order (host b is lost in the last):
   host b (``placement``): sessions through the Serve proxy, one trainer iteration (rows from the
   buffer on a cross to the rank on b), the weights back to both replicas; the served log-probs
   of a fixed response against the learner's; every row trained once;
-- ``envs``: two env runners spread over the hosts play their groups and write every step
-  (``multinode.check_envs``);
+- ``envs``: two env runners, one per host (a ``runner_slot`` resource on each), play their
+  groups and write every step (``multinode.check_envs``);
 - ``host_loss``: streaming requests from 6 clients; host b's link goes down and every process
   of b gets SIGKILL (a host powered off: no connection is closed). Per request: status, error,
-  seconds; then what the surviving replica serves, what the trainer says, and the turns
-  recorded against the turns answered.
+  seconds; when Ray declared b dead; what the surviving replica serves; two judged sessions
+  after; what the trainer (its rank was on b) says; the turns recorded against the turns
+  answered; the buffer's rows once the lost batch's lease ends (added = acknowledged +
+  available + leased: none lost).
 """
 
 from __future__ import annotations
@@ -53,10 +57,16 @@ API_KEY = "sk-clawray-test"
 APP = "twohost"
 
 
+# Ray's node health checks, for a lost host to be found within the test's time: a check every
+# second, failing after 2 s, 10 failures in a row (docs/deploy.md: what users see either way).
+FAST_DETECTION = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "2000",
+                  "RAY_health_check_failure_threshold": "10"}
+
+
 class Hosts:
     """The two namespaces, their link, and a Ray node in each."""
 
-    def __init__(self) -> None:
+    def __init__(self, fast_detection: bool = True) -> None:
         tag = f"{os.getpid() % 100000}"
         self.ns = {"a": f"crh{tag}a", "b": f"crh{tag}b"}
         self.dev = {"a": f"crv{tag}a", "b": f"crv{tag}b"}
@@ -68,6 +78,8 @@ class Hosts:
                     "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                     "RAY_SERVE_LOG_TO_STDERR": "0"}
         self.env.pop("RAY_ADDRESS", None)
+        if fast_detection:  # the GCS finds a lost node in ~10-20 s (Ray's defaults: ~1 min)
+            self.env.update(FAST_DETECTION)
         self.ray = str(Path(sys.executable).with_name("ray"))
 
     def _ip(self, *args: str) -> None:
@@ -93,43 +105,40 @@ class Hosts:
         worker = [self.ray, "start", f"--address={self.ip['a']}:{PORT}",
                   f"--node-ip-address={self.ip['b']}", "--labels=clawray-host=b",
                   '--resources={"host_b": 1, "runner_slot": 1}', *common]
-        self.logs = {"a": open(f"{self.tmp}/ray-a.log", "w")}
-        self.procs = {"a": self._in("a", head, self.logs["a"])}
-        self._wait_port("a", self.ip["a"], PORT, 120)
-        # On a busy machine a worker's `ray start` can give up waiting for its own node to
-        # register ("timed out during startup"): start it again, up to three times.
+        self.logs, self.procs = {}, {}
+        for host, argv in (("a", head), ("b", worker)):
+            self._start_node(host, argv)
+
+    def _start_node(self, host: str, argv: list[str]) -> None:
+        """``ray start`` in ``host``'s namespace until it says it started. On a busy machine
+        it can give up waiting for its own node to register (Ray waits 30 s: "timed out
+        during startup"): then everything of that host is killed and it starts again, up to
+        three times."""
+        path = Path(f"{self.tmp}/ray-{host}.log")
         for attempt in range(1, 4):
-            self.logs["b"] = open(f"{self.tmp}/ray-b.log", "a")
-            self.procs["b"] = self._in("b", worker, self.logs["b"])
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and self.procs["b"].poll() is None:
-                if "Ray runtime started" in Path(f"{self.tmp}/ray-b.log").read_text():
+            started = path.read_text().count("Ray runtime started") if path.exists() else 0
+            self.logs[host] = open(path, "a")
+            self.procs[host] = self._in(host, argv, self.logs[host])
+            deadline = time.monotonic() + 150
+            while time.monotonic() < deadline and self.procs[host].poll() is None:
+                if path.read_text().count("Ray runtime started") > started:
                     return
                 time.sleep(1.0)
-            print(f"twohost: host b's `ray start` did not come up (attempt {attempt})",
+            print(f"twohost: host {host}'s `ray start` did not come up (attempt {attempt})",
                   file=sys.stderr, flush=True)
-            self._kill_all("b")
-        raise RuntimeError("host b could not join the cluster: " + self.log_tail())
+            self._kill_all(host)
+        raise RuntimeError(f"host {host} could not start Ray: " + self.log_tail())
 
     def _in(self, host: str, argv: list[str], log) -> subprocess.Popen:
         return subprocess.Popen(["ip", "netns", "exec", self.ns[host], "timeout", str(BOUND_S),
                                  *argv], stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                 cwd=REPO, start_new_session=True)
 
-    def _wait_port(self, host: str, ip: str, port: int, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        probe = f"import socket; socket.create_connection(('{ip}', {port}), 2).close()"
-        while time.monotonic() < deadline:
-            if subprocess.run(["ip", "netns", "exec", self.ns[host], sys.executable, "-c",
-                               probe], capture_output=True).returncode == 0:
-                return
-            time.sleep(1.0)
-        raise RuntimeError(f"the Ray head did not listen on {ip}:{port} in {timeout_s:.0f} s")
-
-    def driver(self, model_path: str, timeout_s: float) -> subprocess.CompletedProcess:
+    def driver(self, model_path: str, timeout_s: float, resume: bool = False
+               ) -> subprocess.CompletedProcess:
         argv = ["ip", "netns", "exec", self.ns["a"], "timeout", str(int(timeout_s)),
                 sys.executable, __file__, "--driver", model_path, self.ns["b"], self.dev["b"],
-                f"{self.ip['a']}:{PORT}", self.tmp]
+                f"{self.ip['a']}:{PORT}", self.tmp, "resume" if resume else ""]
         # the head's address named: other Ray instances on the machine are seen too
         # its JSON lines go straight to this process's stdout, as each check ends
         return subprocess.run(argv, env={**self.env, "RAY_ADDRESS": f"{self.ip['a']}:{PORT}"},
@@ -175,13 +184,16 @@ class Hosts:
         return "\n".join(out)
 
 
-def orchestrate(model_path: str, timeout_s: float) -> int:
-    hosts = Hosts()
+def orchestrate(model_path: str, timeout_s: float, fast_detection: bool = True,
+                resume: bool = False) -> int:
+    hosts = Hosts(fast_detection)
+    # SIGTERM (a stopped test run) ends the harness through its cleanup below
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         hosts.up()
         hosts.start_ray()
         sys.stdout.flush()
-        run = hosts.driver(model_path, timeout_s)
+        run = hosts.driver(model_path, timeout_s, resume)
         sys.stderr.write(run.stderr[-6000:])
         if run.returncode:
             sys.stderr.write(hosts.log_tail())
@@ -298,6 +310,7 @@ def check_live(tmp: str, port: int) -> tuple[dict, object, object]:
                    policy_version=trainer.version, loss_mask=[1] * len(response), reward=0.0)
     learner_lp = trainer.learner.logprobs(pa.Table.from_batches([rows_to_batch([row])]))[0]
     served = [handle.prompt_logprobs.remote(prompt, response).result() for _ in range(16)]
+    trainer.save_checkpoint(f"{tmp}/saved")  # where a restarted job resumes (--resume)
     diff = max(max(abs(a - b) for a, b in zip(s, learner_lp)) for s in served)
     return ({"check": "live", "replica_hosts": replica_hosts,
              "buffer_host": _actor_hosts("SampleBuffer"),
@@ -307,6 +320,18 @@ def check_live(tmp: str, port: int) -> tuple[dict, object, object]:
                                                   "rows_redelivered", "duplicates",
                                                   "available", "leased_rows")},
              "versions": versions, "max_logprob_diff": diff}, trainer, cfg)
+
+
+def _sse_error(body: str) -> bool:
+    """Whether a streamed body carries an error event (a data line whose JSON has "error")."""
+    for line in body.splitlines():
+        if line.startswith("data: {"):
+            try:
+                if "error" in json.loads(line[6:]):
+                    return True
+            except ValueError:
+                return True  # a cut line
+    return False
 
 
 def check_host_loss(trainer, cfg, tmp: str, port: int, ns_b: str, dev_b: str) -> dict:
@@ -333,7 +358,7 @@ def check_host_loss(trainer, cfg, tmp: str, port: int, ns_b: str, dev_b: str) ->
                                  "X-Session-Id": f"loss-{k}-{n}", "X-Session-Done": "1"}) as r:
                     entry["status"] = r.status_code
                     body = "".join(r.iter_text())
-                    entry["error"] = ('"error"' in body) or r.status_code != 200
+                    entry["error"] = r.status_code != 200 or _sse_error(body)
                     entry["done"] = "[DONE]" in body
                     if entry["error"]:
                         entry["body"] = body[-300:]
@@ -437,7 +462,61 @@ def check_host_loss(trainer, cfg, tmp: str, port: int, ns_b: str, dev_b: str) ->
             "replica_hosts_after": _actor_hosts("ServeReplica:twohost:Ingress")}
 
 
-def drive(model_path: str, ns_b: str, dev_b: str, address: str, tmp: str) -> None:
+def check_return(cfg, tmp: str, ns_b: str, dev_b: str, address: str) -> dict:
+    """Host b comes back (its link up, ``ray start`` again); the training job is restarted
+    from its checkpoint, as a Ray job with retries would be: its learner rank goes to b again,
+    it trains the rows the lost batch left (redelivered after their lease), and both replicas
+    serve its next version."""
+    import ray
+    from ray import serve
+
+    from clawray.training.trainer import Trainer
+
+    started = time.monotonic()
+    subprocess.run(["ip", "-n", ns_b, "link", "set", dev_b, "up"], check=True)
+    ip_b = address.split(":")[0].rsplit(".", 1)[0] + ".2"
+    argv = ["ip", "netns", "exec", ns_b, "timeout", str(BOUND_S),
+            str(Path(sys.executable).with_name("ray")), "start", "--block",
+            f"--address={address}", f"--node-ip-address={ip_b}", "--labels=clawray-host=b",
+            '--resources={"host_b": 1, "runner_slot": 1}', "--disable-usage-stats",
+            "--num-cpus=2", "--object-store-memory=400000000", f"--temp-dir={tmp}/ray"]
+    log = open(f"{tmp}/ray-b-again.log", "w")
+    subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    while not any(n["Alive"] and n["Labels"].get("clawray-host") == "b" for n in ray.nodes()):
+        if time.monotonic() - started > 180:
+            raise RuntimeError("host b did not join again in 180 s")
+        time.sleep(1.0)
+    joined = time.monotonic() - started
+    fresh = Trainer(config=cfg.to_dict())
+    fresh.restore(f"{tmp}/saved")
+    version_restored = fresh.version
+    results = []
+    for _ in range(6):
+        r = fresh.train()
+        results.append({k: r.get(k) for k in ("samples", "samples_repeated", "policy_version")})
+        st = ray.get(fresh.pipeline.buffer.stats.remote())
+        if st["available"] == 0 and st["leased_rows"] == 0:
+            break
+    handle = serve.get_app_handle(APP)
+    deadline = time.monotonic() + 180  # Serve places the missing replica on b again
+    while time.monotonic() < deadline:
+        versions = handle.weights_version.remote().result()
+        if len(versions["replicas"]) == 2 and set(versions["replicas"].values()) == {
+                versions["published"]}:
+            break
+        time.sleep(2.0)
+    st = ray.get(fresh.pipeline.buffer.stats.remote())
+    return {"check": "return", "joined_s": round(joined, 1),
+            "learner_hosts": _actor_hosts("LearnerWorker"), "version_restored": version_restored,
+            "iterations": results, "versions": versions,
+            "replica_hosts": _actor_hosts("ServeReplica:twohost:Ingress"),
+            "rows": {k: st[k] for k in ("rows_added", "rows_acked", "rows_redelivered",
+                                        "available", "leased_rows")},
+            "seconds": round(time.monotonic() - started, 1)}
+
+
+def drive(model_path: str, ns_b: str, dev_b: str, address: str, tmp: str,
+          resume: str = "") -> None:
     import ray
     from ray import serve
 
@@ -470,7 +549,8 @@ def drive(model_path: str, ns_b: str, dev_b: str, address: str, tmp: str) -> Non
                   # one runner slot per host: the two runners run one on each
                   lambda: multinode.check_envs(tmp, 180.0, 0.25, placement={
                       "env_runners": {"resources": {"runner_slot": 1}}}),
-                  lambda: check_host_loss(trainer, cfg, tmp, port, ns_b, dev_b)):
+                  lambda: check_host_loss(trainer, cfg, tmp, port, ns_b, dev_b),
+                  *([lambda: check_return(cfg, tmp, ns_b, dev_b, address)] if resume else [])):
         try:
             print(json.dumps(check()), flush=True)
         except Exception as e:  # noqa: BLE001 - reported, then the next check runs
@@ -483,6 +563,9 @@ def drive(model_path: str, ns_b: str, dev_b: str, address: str, tmp: str) -> Non
 
 if __name__ == "__main__":
     if sys.argv[1] == "--driver":
-        drive(*sys.argv[2:7])
-    else:
-        sys.exit(orchestrate(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 1200))
+        drive(*sys.argv[2:8])
+    else:  # MODEL_PATH [TIMEOUT_S] [--ray-health-defaults] [--resume]
+        args = [a for a in sys.argv[1:] if not a.startswith("--")]
+        sys.exit(orchestrate(args[0], float(args[1]) if len(args) > 1 else 1200,
+                             fast_detection="--ray-health-defaults" not in sys.argv,
+                             resume="--resume" in sys.argv))

@@ -553,6 +553,16 @@ def compare_arms(aggs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def write_arms(aggs: dict[str, dict[str, Any]], out: Path) -> dict[str, Any]:
+    """``demo_arms.json`` (every arm's aggregate and ``compare_arms``) and ``demo_arms.png``
+    in ``out``; the comparison."""
+    compared = compare_arms(aggs)
+    (out / "demo_arms.json").write_text(json.dumps({"arms": aggs, "compared": compared},
+                                                   indent=2))
+    plot_arms(aggs, out / "demo_arms.png")
+    return compared
+
+
 def plot_arms(aggs: dict[str, dict[str, Any]], path: Path) -> None:
     """Each arm's rise on the held-out pool: the seeds as dots, mean ± s.e. as a bar."""
     import matplotlib
@@ -602,6 +612,8 @@ def run_demo_seeds(cfg: ClawRayConfig, out: Path, seeds: list[int],
             agg = aggs[control] = aggregate_demo_seeds(summaries[control])
             (where / "demo_seeds.json").write_text(json.dumps(agg, indent=2))
             plot_demo_seeds(agg, where / "demo_seeds.png")
+        if len(controls) > 1:  # the arms compared on the seeds all of them finished
+            write_arms(aggs, out)
     for control, agg in aggs.items():
         where = out / control if len(controls) > 1 else out
         b, a, r = agg["before"], agg["after"], agg["rise"]
@@ -617,10 +629,7 @@ def run_demo_seeds(cfg: ClawRayConfig, out: Path, seeds: list[int],
         return 0 if aggs["none"]["rose_in"] == aggs["none"]["runs"] and not errors else 1
     if len(controls) == 1:  # a control alone: what it did is a finding, not a failure
         return 1 if errors else 0
-    compared = compare_arms(aggs)
-    (out / "demo_arms.json").write_text(json.dumps({"arms": aggs, "compared": compared},
-                                                   indent=2))
-    plot_arms(aggs, out / "demo_arms.png")
+    compared = write_arms(aggs, out)
     for control, c in compared.items():
         d = c["difference"]
         p = "n/a" if c["p_value"] is None else f"{c['p_value']:.3f}"

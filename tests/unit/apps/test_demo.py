@@ -165,3 +165,6 @@ def test_the_demo_seeds_run_seed_major_and_leave_each_arms_aggregate_after_every
     assert json.loads((tmp_path / "none" / "demo_seeds.json").read_text())["runs"] == 2
     assert json.loads(
         (tmp_path / "shuffled_feedback" / "demo_seeds.json").read_text())["runs"] == 1
+    # and the arms compared on the seed both finished
+    arms = json.loads((tmp_path / "demo_arms.json").read_text())
+    assert arms["compared"]["shuffled_feedback"]["seeds"] == [0]

@@ -99,6 +99,7 @@ def test_build_app_places_replicas_and_refuses_what_the_cluster_cannot_hold(monk
 
     cfg = ClawRayConfig().placement(policy={"resources": {"serving": 1},
                                             "labels": {"host": "b"}, "max_per_node": 1})
+    monkeypatch.setattr(app.ray, "is_initialized", lambda: False)  # no cluster to check yet
     built = app.build_app(cfg)  # colocated (the default): the ingress holds the engine
     opts = built._bound_deployment.ray_actor_options
     assert opts["resources"] == {"serving": 1} and opts["label_selector"] == {"host": "b"}

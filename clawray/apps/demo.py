@@ -370,9 +370,12 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
         with open(out / f"eval_{name}.jsonl", "w") as f:
             for rec in result.interactions:
                 f.write(json.dumps(dataclasses.asdict(rec)) + "\n")
+    kl = cfg.training_cfg.loss.kl_coef
+    # a real model's runs name their KL weight: runs with another weight are another setting,
+    # never "later runs" of this one on the ledger
     experiment = ("demo-lockstep" if lockstep else "demo-live") + (
         "" if preference == "brief" else f"-{preference}") + (
-        f"-{model}" if is_real_model(cfg) else "")
+        f"-{model}" + (f"-kl{kl:g}" if kl else "") if is_real_model(cfg) else "")
     arm = demo_arm(cfg, control)
     for metric, value, n in (("satisfaction_before", before.rate, before.n),
                              ("satisfaction_after", after.rate, after.n),

@@ -370,12 +370,7 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
         with open(out / f"eval_{name}.jsonl", "w") as f:
             for rec in result.interactions:
                 f.write(json.dumps(dataclasses.asdict(rec)) + "\n")
-    kl = cfg.training_cfg.loss.kl_coef
-    # a real model's runs name their KL weight: runs with another weight are another setting,
-    # never "later runs" of this one on the ledger
-    experiment = ("demo-lockstep" if lockstep else "demo-live") + (
-        "" if preference == "brief" else f"-{preference}") + (
-        f"-{model}" + (f"-kl{kl:g}" if kl else "") if is_real_model(cfg) else "")
+    experiment = experiment_name(cfg, lockstep, preference, model)
     arm = demo_arm(cfg, control)
     for metric, value, n in (("satisfaction_before", before.rate, before.n),
                              ("satisfaction_after", after.rate, after.n),
@@ -588,6 +583,15 @@ def plot_arms(aggs: dict[str, dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def experiment_name(cfg: ClawRayConfig, lockstep: bool, preference: str, model: str) -> str:
+    """The ledger's experiment of a demo run. A real model's runs name their KL weight: runs
+    with another weight are another setting, never "later runs" of this one."""
+    kl = cfg.training_cfg.loss.kl_coef
+    return ("demo-lockstep" if lockstep else "demo-live") + (
+        "" if preference == "brief" else f"-{preference}") + (
+        f"-{model}" + (f"-kl{kl:g}" if kl else "") if is_real_model(cfg) else "")
 
 
 def run_demo_seeds(cfg: ClawRayConfig, out: Path, seeds: list[int],

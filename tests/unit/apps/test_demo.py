@@ -168,3 +168,18 @@ def test_the_demo_seeds_run_seed_major_and_leave_each_arms_aggregate_after_every
     # and the arms compared on the seed both finished
     arms = json.loads((tmp_path / "demo_arms.json").read_text())
     assert arms["compared"]["shuffled_feedback"]["seeds"] == [0]
+
+
+def test_a_real_models_experiment_names_its_kl_weight_the_embedded_ones_do_not():
+    from clawray.apps.demo import experiment_name
+    from clawray.config import ClawRayConfig
+
+    tiny = ClawRayConfig().training(loss={"kl_coef": 0.5})
+    assert experiment_name(tiny, True, "brief", "clawray-tiny") == "demo-lockstep"
+    assert experiment_name(tiny, False, "detailed", "clawray-tiny") == "demo-live-detailed"
+    real = ClawRayConfig().model(path="bundled:smollm2")
+    assert experiment_name(real, True, "concise", "smollm2-135m-instruct") == \
+        "demo-lockstep-concise-smollm2-135m-instruct"  # no KL: the 2026-12-05 runs' name
+    assert experiment_name(real.copy_with(training={"loss": {"kl_coef": 0.1}}), True,
+                           "concise", "smollm2-135m-instruct") == \
+        "demo-lockstep-concise-smollm2-135m-instruct-kl0.1"

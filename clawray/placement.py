@@ -49,6 +49,20 @@ def actor_options(part: PartPlacement, resources: dict[str, float] | None = None
             **({"label_selector": dict(part.labels)} if part.labels else {})}
 
 
+def serving_placement(cfg: ClawRayConfig, part: str) -> PartPlacement:
+    """The placement of serving deployment ``part`` (ingress, policy, judge). The replicas
+    that hold an engine (policy, judge) add ``serving.replica_resources``; the colocated
+    ingress holds the policy's engine, so the policy's settings apply under its own."""
+    s, p = cfg.serving_cfg, cfg.placement_cfg
+    own = getattr(p, part)
+    if part == "ingress" and s.layout != "colocated":
+        return own
+    base = p.policy if part == "ingress" else PartPlacement()
+    return PartPlacement(resources={**s.replica_resources, **base.resources, **own.resources},
+                         labels={**base.labels, **own.labels},
+                         max_per_node=own.max_per_node or base.max_per_node)
+
+
 @dataclass
 class Need:
     """What one part asks of the cluster: ``count`` actors of ``per_actor`` resources (CPU and
@@ -74,21 +88,14 @@ def _needs(cfg: ClawRayConfig, parts: tuple[str, ...]) -> list[Need]:
     engine = {"CPU": s.replica_num_cpus, **({"GPU": s.replica_num_gpus}
                                            if s.replica_num_gpus else {})}
     needs = []
-    if "ingress" in parts:
-        if s.layout == "colocated":  # the ingress holds the engine: both settings apply
-            needs.append(Need("ingress", {**engine, **s.replica_resources,
-                                          **p.policy.resources, **p.ingress.resources},
-                              {**p.policy.labels, **p.ingress.labels}, s.ingress_replicas,
-                              p.ingress.max_per_node or p.policy.max_per_node))
-        else:
-            needs.append(Need("ingress", dict(p.ingress.resources), dict(p.ingress.labels),
-                              s.ingress_replicas, p.ingress.max_per_node))
-    if "policy" in parts and s.layout != "colocated":
-        needs.append(Need("policy", {**engine, **s.replica_resources, **p.policy.resources},
-                          dict(p.policy.labels), s.policy_replicas, p.policy.max_per_node))
-    if "judge" in parts:
-        needs.append(Need("judge", {**engine, **s.replica_resources, **p.judge.resources},
-                          dict(p.judge.labels), 1, p.judge.max_per_node))
+    for part in ("ingress", "policy", "judge"):
+        if part not in parts or (part == "policy" and s.layout == "colocated"):
+            continue  # the colocated ingress holds the policy's engine
+        pl = serving_placement(cfg, part)
+        holds_engine = part != "ingress" or s.layout == "colocated"
+        count = {"ingress": s.ingress_replicas, "policy": s.policy_replicas, "judge": 1}[part]
+        needs.append(Need(part, {**(engine if holds_engine else {}), **pl.resources},
+                          dict(pl.labels), count, pl.max_per_node))
     if "learner" in parts:
         needs.append(Need("learner", {"CPU": t.learner_num_cpus,
                                       **({"GPU": t.learner_num_gpus} if t.learner_num_gpus

@@ -31,7 +31,7 @@ from ray.serve.config import RequestRouterConfig
 from clawray.config import ClawRayConfig
 from clawray.judging.backends import needs_server
 from clawray.models.loader import check_teacher_tokenizer
-from clawray.placement import actor_options, check_placement
+from clawray.placement import actor_options, check_placement, serving_placement
 from clawray.serve.judge_server import JudgeServer
 from clawray.serve.ingress import Ingress
 from clawray.serve.policy_server import PolicyServer
@@ -77,22 +77,20 @@ def build_app(args: dict[str, Any] | ClawRayConfig | None = None) -> Application
         raise ValueError(problem)
     check_teacher_tokenizer(cfg)
     data = deployment_args(cfg)
-    place = cfg.placement_cfg
     engine = {"num_cpus": s.replica_num_cpus, "num_gpus": s.replica_num_gpus}
-    # the engine replicas: the policy's placement (the colocated ingress holds the engine)
-    actor = {**engine, **actor_options(place.policy, s.replica_resources)}
-    spread = ({"max_replicas_per_node": place.policy.max_per_node}
-              if place.policy.max_per_node else {})
+
+    def placed(part: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``part``'s ray_actor_options placement and its Serve spread option."""
+        pl = serving_placement(cfg, part)
+        return actor_options(pl), ({"max_replicas_per_node": pl.max_per_node}
+                                   if pl.max_per_node else {})
     affine = {}
     if s.session_affinity:  # a session's turns go to the replica that has its prefix
         affine["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER_CLASS)
+    ingress_place, ingress_spread = placed("ingress")
     ingress = Ingress.options(num_replicas=s.ingress_replicas,
-                              max_ongoing_requests=s.max_ongoing_requests,
+                              max_ongoing_requests=s.max_ongoing_requests, **ingress_spread,
                               **(affine if s.layout == "colocated" else {}))
-    ingress_spread = place.ingress.max_per_node or (place.policy.max_per_node
-                                                    if s.layout == "colocated" else None)
-    if ingress_spread:
-        ingress = ingress.options(max_replicas_per_node=ingress_spread)
     judge = None
     live_judge = needs_server(cfg.judge_cfg) and "hub" in s.record_sink
     step_rm = (cfg.training_cfg.mode == "rlanything"
@@ -104,18 +102,17 @@ def build_app(args: dict[str, Any] | ClawRayConfig | None = None) -> Application
         # Bound into the ingress only to keep it in the app; callers find it by name.
         # Serve's default max_ongoing_requests (5) would queue calls in the handle's router,
         # out of the engine's sight and cancellation; the engine's own scheduler queues them.
-        judge = JudgeServer.options(
-            ray_actor_options={**engine, **actor_options(place.judge, s.replica_resources)},
-            max_ongoing_requests=s.max_ongoing_requests,
-            **({"max_replicas_per_node": place.judge.max_per_node}
-               if place.judge.max_per_node else {})).bind(data)
-    if s.layout == "colocated":
-        colocated = {**actor, **actor_options(place.ingress, actor.get("resources"))}
-        if place.policy.labels or place.ingress.labels:
-            colocated["label_selector"] = {**place.policy.labels, **place.ingress.labels}
-        return ingress.options(ray_actor_options=colocated).bind(data, None, judge)
+        judge_place, judge_spread = placed("judge")
+        judge = JudgeServer.options(ray_actor_options={**engine, **judge_place},
+                                    max_ongoing_requests=s.max_ongoing_requests,
+                                    **judge_spread).bind(data)
+    if s.layout == "colocated":  # the ingress holds the engine
+        return ingress.options(ray_actor_options={**engine, **ingress_place}
+                               ).bind(data, None, judge)
+    policy_place, policy_spread = placed("policy")
     policy = PolicyServer.options(num_replicas=s.policy_replicas,
                                   max_ongoing_requests=s.max_ongoing_requests,
-                                  ray_actor_options=actor, **affine, **spread)
-    return ingress.options(ray_actor_options={"num_cpus": 0, **actor_options(place.ingress)}
+                                  ray_actor_options={**engine, **policy_place}, **affine,
+                                  **policy_spread)
+    return ingress.options(ray_actor_options={"num_cpus": 0, **ingress_place}
                            ).bind(data, policy.bind(data), judge)

@@ -30,6 +30,17 @@ Reported (``bench/results/chaos.json``, ``.png``; the table is printed):
 
 Goal: 0 lost, 0 duplicated, 0 trained twice, failed requests only those in flight on a replica
 at the instant it died.
+
+Two hosts (``--hosts 2``; as root): the same soak on the two-host harness of
+``tests/support/twohost.py`` (two network namespaces joined by a veth link, a Ray head in one
+and a worker in the other, Ray's node health checks shortened), one ingress replica per host,
+the sample buffer on host a. A seventh kind of fault joins the others: **host**, host b lost
+(its link down, every process of it SIGKILLed, whatever ran there), back ``--host-down-s``
+later (link up, ``ray start`` again). No other kill happens while b is away. Reported per host
+loss: the parts that were on b, when Ray declared b dead, when it joined again, when both
+ingress replicas served again, the requests that failed or stalled meanwhile.
+
+    .venv/bin/python bench/chaos.py --hosts 2 --out bench/results/chaos_hosts.json
 """
 
 from __future__ import annotations
@@ -51,10 +62,12 @@ from typing import Any
 
 import numpy as np
 
+REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 APP = "chaos"
 KEY = "sk-chaos-local"
 KINDS = ("hub", "voter", "buffer", "learner", "ingress", "trainer")
+HOST_KINDS = (*KINDS, "host")  # --hosts 2
 TOOLS = [{"type": "function", "function": {
     "name": "ls", "description": "List files in a directory.",
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
@@ -70,10 +83,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_config(work: Path, port: int, batch_size: int = 16) -> Any:
+def make_config(work: Path, port: int, batch_size: int = 16, hosts: int = 1) -> Any:
+    """The soak's app and trainer; on two hosts one ingress replica per host and the sample
+    buffer (its files stand for a persistent volume) on host a."""
     from clawray.config import ClawRayConfig
 
-    return (ClawRayConfig()
+    cfg = (ClawRayConfig()
             .inference(engine="hf", max_running=16)
             .serving(host="127.0.0.1", port=port, api_keys=[KEY], record_sink=["hub"],
                      ingress_replicas=2, replica_num_cpus=0.25, default_max_tokens=12)
@@ -83,6 +98,10 @@ def make_config(work: Path, port: int, batch_size: int = 16) -> Any:
             .training(app=APP, batch_size=batch_size, min_batch=4, take_timeout_s=3, lr=1e-4,
                       learner_num_cpus=0.25, checkpoint_every=2, sync_timeout_s=60,
                       checkpoint_dir=str(work / "ckpt"), metrics_path=str(work / "m.jsonl")))
+    if hosts == 2:
+        cfg = cfg.placement(policy={"max_per_node": 1},
+                            buffer={"labels": {"clawray-host": "a"}})
+    return cfg
 
 
 # ---------------------------------------------------------------------------- clients
@@ -100,6 +119,9 @@ class Clients:
         self.feedback_failed = 0
         self.served: list[str] = []  # response ids of completed main turns
         self.latencies: list[tuple[float, float]] = []  # (time, seconds) of completed ones
+        # (start, end, error) of every failed attempt
+        self.failures: list[tuple[float, float, str]] = []
+        self.unfinished_failures: list[tuple[float, float]] = []  # (start, end) failed twice
         self.errors: collections.Counter[str] = collections.Counter()
 
     async def run(self) -> None:
@@ -127,6 +149,7 @@ class Clients:
 
     async def _ask(self, msgs: list[dict[str, Any]], headers: dict[str, str]
                    ) -> tuple[str, str] | None:
+        first = time.time()
         for attempt in range(2):
             self.sent += 1
             t0 = time.monotonic()
@@ -145,6 +168,8 @@ class Clients:
                     raise RuntimeError("stream ended without a finish reason")
             except Exception as e:  # noqa: BLE001 - every failure is counted
                 self.errors[type(e).__name__] += 1
+                self.failures.append((time.time() - (time.monotonic() - t0), time.time(),
+                                      type(e).__name__))
                 if rid is not None:
                     self.cut += 1
                 continue
@@ -153,6 +178,7 @@ class Clients:
             self.retried_ok += attempt
             return text, rid
         self.failed += 1
+        self.unfinished_failures.append((first, time.time()))
         return None
 
     async def _feedback(self, rid: str, rating: str) -> None:
@@ -186,6 +212,8 @@ class TrainerJob:
         self.left_in_buffer: dict[str, Any] = {}
         self.lineage: set[str] = set()
         self.ever: set[str] = set()  # every row some update trained, across restarts
+        self.where: Any = None  # --hosts 2: () -> the hosts of the learner ranks
+        self.starts: list[dict[str, Any]] = []  # each (re)start: when, and where its ranks went
 
     def _start(self) -> Any:
         from clawray.training.trainer import Trainer
@@ -221,6 +249,8 @@ class TrainerJob:
             try:
                 if self.trainer is None:
                     self.trainer = self._start()
+                    if self.where is not None:
+                        self.starts.append({"t": time.time(), "learner_hosts": self.where()})
                 r = self.trainer.train()
                 self.iterations += 1
                 self.updates += bool(r.get("optimizer_steps"))
@@ -268,10 +298,71 @@ def _ray_processes() -> list[tuple[Any, str]]:
     return out
 
 
-def kill_one(kind: str, pipeline: Any, job: TrainerJob, rng: random.Random) -> str:
+class HostFault:
+    """Host b lost, then back (``--hosts 2``). ``lose`` takes it down; ``tick`` (the chaos
+    loop calls it) notes when Ray declares b dead, brings b back ``down_s`` after the loss
+    (not before Ray declared it dead), notes when it joined and when both ingress replicas
+    are running again, one per host; ``busy`` until then."""
+
+    def __init__(self, ns_b: str, dev_b: str, address: str, temp_dir: str, cpus: int,
+                 down_s: float) -> None:
+        self.ns_b, self.dev_b, self.address = ns_b, dev_b, address
+        self.temp_dir, self.cpus, self.down_s = temp_dir, cpus, down_s
+        self.events: list[dict[str, Any]] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.events) and "replicas_back" not in self.events[-1]
+
+    def lose(self) -> str:
+        from tests.support import twohost
+
+        on_b = twohost.actors_on("b")
+        twohost.lose_host(self.ns_b, self.dev_b)
+        self.events.append({"lost": time.time(), "parts_on_b": on_b})
+        return "host b (" + ", ".join(f"{n} {c}" for c, n in sorted(
+            collections.Counter(c.split(":")[-1] for c in on_b).items())) + ")"
+
+    def tick(self, now: float) -> None:
+        from tests.support import twohost
+
+        if not self.busy:
+            return
+        e = self.events[-1]
+        if "declared_dead" not in e:
+            if not twohost.host_alive("b"):
+                e["declared_dead"] = now
+        elif "rejoining" not in e:
+            if now - e["lost"] >= self.down_s:
+                e["rejoining"] = now
+                twohost.rejoin_host(self.ns_b, self.dev_b, self.address, self.temp_dir,
+                                    f"{self.temp_dir}/ray-b-again.log", self.cpus)
+        elif "rejoined" not in e:
+            if twohost.host_alive("b"):
+                e["rejoined"] = now
+        elif _ingress_running() >= 2 and sum(f"ServeReplica:{APP}:Ingress" in c
+                                             for c in twohost.actors_on("b")) == 1:
+            e["replicas_back"] = now
+            e["parts_after"] = {h: twohost.actors_on(h) for h in ("a", "b")}
+
+
+def _ingress_running() -> int:
+    """The app's ingress replicas Serve counts RUNNING."""
+    from ray import serve
+
+    app = serve.status().applications.get(APP)
+    dep = app.deployments.get("Ingress") if app else None
+    return dep.replica_states.get("RUNNING", 0) if dep else 0
+
+
+def kill_one(kind: str, pipeline: Any, job: TrainerJob, rng: random.Random,
+             host: HostFault | None = None) -> str:
     """Kill one part of ``kind``; returns what was killed."""
     import ray
 
+    if kind == "host":
+        assert host is not None, "a host loss needs --hosts 2"
+        return host.lose()
     if kind == "hub":
         i = rng.randrange(len(pipeline.hubs))
         ray.kill(pipeline.hubs[i], no_restart=False)
@@ -325,9 +416,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     work = Path(tempfile.mkdtemp(prefix="clawray-chaos-"))
     port = free_port()
-    cfg = make_config(work, port, args.batch_size)
+    cfg = make_config(work, port, args.batch_size, args.hosts)
+    host: HostFault | None = None
+    kinds = HOST_KINDS if args.in_host else KINDS
     own = not ray.is_initialized()
-    if own:
+    if args.in_host:  # a driver on host a of the two-host cluster (main made it)
+        ns_b, dev_b, address, temp_dir, cpus = args.in_host
+        host = HostFault(ns_b, dev_b, address, temp_dir, int(cpus), args.host_down_s)
+        ray.init(address=address, log_to_driver=False, logging_level="WARNING",
+                 namespace="clawray-chaos")
+        while sum(n["Alive"] for n in ray.nodes()) < 2:
+            time.sleep(1.0)
+    elif own:
         from clawray.apps.launch import init_local_ray
 
         init_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False,
@@ -336,12 +436,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kills: list[dict[str, Any]] = []
     peaks: dict[str, float] = {}
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port},
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port},
                     logging_config={"log_level": "WARNING", "enable_access_log": False})
         serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
         base = f"http://127.0.0.1:{port}/{APP}/v1"
         pipeline = attach_live_pipeline(cfg, APP)
         job = TrainerJob(cfg)
+        if host is not None:
+            from tests.support.twohost import actor_hosts
+
+            job.where = lambda: actor_hosts("LearnerWorker")
         trainer = threading.Thread(target=job.run, name="trainer-job", daemon=True)
         trainer.start()
         started = time.time()
@@ -365,13 +469,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     except Exception:  # noqa: BLE001 - measurement only
                         log.debug("memory sample failed", exc_info=True)
                     next_mem = now + 2.0
+                if host is not None and host.busy:  # nothing else dies while b is away
+                    try:
+                        host.tick(now)
+                    except Exception:  # noqa: BLE001 - the GCS was busy: the next tick
+                        log.warning("host fault tick failed", exc_info=True)
+                    if not host.busy:
+                        e = host.events[-1]
+                        print(f"[{now - t0:6.1f} s] host b back: declared dead after "
+                              f"{e['declared_dead'] - e['lost']:.1f} s, joined after "
+                              f"{e['rejoined'] - e['lost']:.1f} s, both replicas after "
+                              f"{e['replicas_back'] - e['lost']:.1f} s", flush=True)
+                        next_kill = now + args.kill_every_s
+                    time.sleep(0.5)
+                    continue
                 if now >= next_kill:
                     if not order:
-                        order = list(KINDS)
+                        order = list(kinds)
                         rng.shuffle(order)
                     kind = order.pop()
                     try:
-                        what = kill_one(kind, pipeline, job, rng)
+                        what = kill_one(kind, pipeline, job, rng, host)
                     except Exception as e:  # noqa: BLE001 - e.g. the actor was restarting
                         what = f"{kind}: kill failed ({type(e).__name__})"
                     kills.append({"t": round(now - t0, 1), "kind": kind, "what": what})
@@ -388,7 +506,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             def going() -> bool:  # the duration, and (up to 3x as long) each kind killed once
                 elapsed = time.time() - t0
                 return elapsed < args.duration_s or (
-                    len({k["kind"] for k in kills}) < len(KINDS) and elapsed < 3 * args.duration_s)
+                    len({k["kind"] for k in kills}) < len(kinds)
+                    and elapsed < 3 * args.duration_s) or (
+                    host is not None and host.busy and elapsed < 4 * args.duration_s)
 
             while going():
                 await asyncio.sleep(1.0)
@@ -428,7 +548,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         job.stop.set()
         trainer.join(timeout=120)
         sample_memory(peaks)
-        return report(args, cfg, clients, job, kills, peaks, work, time.time() - t0)
+        return report(args, cfg, clients, job, kills, peaks, work, time.time() - t0, host)
     finally:
         try:
             serve.delete(APP)
@@ -451,9 +571,45 @@ def _flush(pipeline: Any, timeout_s: float = 120.0) -> None:
             time.sleep(1.0)
 
 
+def host_losses(events: list[dict[str, Any]], latencies: list[tuple[float, float]],
+                failures: list[tuple[float, float, str]],
+                unfinished: list[tuple[float, float]]) -> list[dict[str, Any]]:
+    """Per host loss, in seconds after it: when Ray declared b dead, when b joined again, when
+    both ingress replicas ran again (``recovered``); the failed attempts and the requests that
+    failed their retry too between the loss and the recovery; the completed requests in that
+    window that took more than 10 times the median before the loss (at least 5 s): stalled,
+    and when the last of them ended. ``latencies`` are (end, seconds) of completed requests,
+    ``failures`` (start, end, error) of failed attempts, ``unfinished`` (start, end) of
+    requests whose retry failed too; times are ``time.time()``."""
+    out = []
+    for e in events:
+        lost = e["lost"]
+        end = e.get("replicas_back", float("inf"))
+        before = sorted(s for t, s in latencies if t < lost)
+        typical = before[len(before) // 2] if before else 0.0
+        window = [(t, s) for t, s in latencies if t - s <= end and t >= lost]
+        stalled = [(t, s) for t, s in window if s > max(10 * typical, 5.0)]
+        failed = [f for f in failures if f[1] >= lost and f[0] <= end]
+
+        def rel(key: str) -> float | None:
+            return round(e[key] - lost, 1) if key in e else None
+
+        out.append({"parts_on_b": e["parts_on_b"], "parts_after": e.get("parts_after"),
+                    "declared_dead_s": rel("declared_dead"),
+                    "rejoined_s": rel("rejoined"), "recovered_s": rel("replicas_back"),
+                    "failed_attempts": len(failed),
+                    "failed_errors": dict(collections.Counter(f[2] for f in failed)),
+                    "requests_failed": sum(1 for a, b in unfinished if b >= lost and a <= end),
+                    "completed_in_window": len(window), "typical_s": round(typical, 2),
+                    "stalled": len(stalled),
+                    "stalled_until_s": round(max(t for t, _ in stalled) - lost, 1)
+                    if stalled else None})
+    return out
+
+
 def report(args: argparse.Namespace, cfg: Any, clients: Clients, job: TrainerJob,
            kills: list[dict[str, Any]], peaks: dict[str, float], work: Path,
-           seconds: float) -> dict[str, Any]:
+           seconds: float, host: HostFault | None = None) -> dict[str, Any]:
     import pyarrow.dataset as ds
 
     table = ds.dataset(str(work / "samples"), format="parquet").to_table(
@@ -464,7 +620,8 @@ def report(args: argparse.Namespace, cfg: Any, clients: Clients, job: TrainerJob
     lat = np.array([s for _, s in clients.latencies]) * 1000 if clients.latencies else None
     out = {
         "benchmark": "chaos",
-        "settings": {"duration_s": args.duration_s, "users": args.users,
+        "settings": {"duration_s": args.duration_s, "users": args.users, "hosts": args.hosts,
+                     **({"host_down_s": args.host_down_s} if host else {}),
                      "kill_every_s": args.kill_every_s, "warmup_s": args.warmup_s,
                      "batch_size": args.batch_size,
                      "seed": args.seed, "engine": cfg.inference_cfg.engine,
@@ -490,9 +647,14 @@ def report(args: argparse.Namespace, cfg: Any, clients: Clients, job: TrainerJob
                      "rows_never_trained": len(set(sample_ids) - job.ever),
                      "left_in_buffer_after_drain": job.left_in_buffer,
                      "trained_twice": job.trained_twice,
-                     "repeats_dropped": job.repeats_dropped, "errors": dict(job.errors)},
+                     "repeats_dropped": job.repeats_dropped, "errors": dict(job.errors),
+                     **({"starts": [{"t": round(x["t"] - (time.time() - seconds), 1),
+                                     "learner_hosts": x["learner_hosts"]}
+                                    for x in job.starts]} if host else {})},
         "kills": kills,
         "kills_by_kind": dict(collections.Counter(k["kind"] for k in kills)),
+        **({"host_losses": host_losses(host.events, clients.latencies, clients.failures,
+                                       clients.unfinished_failures)} if host else {}),
         "peak_rss_mb": {k: round(v, 1) for k, v in sorted(peaks.items())},
         "latency_timeline": [(round(t, 2), round(s * 1000, 1)) for t, s in clients.latencies],
     }
@@ -514,6 +676,14 @@ def print_table(r: dict[str, Any]) -> None:
           f"({tr['rows_trained_unique']} distinct; {tr['rows_never_trained']} never, "
           f"buffer after the drain {tr['left_in_buffer_after_drain']}), "
           f"{tr['trained_twice']} trained twice, {tr['repeats_dropped']} repeats dropped")
+    if tr.get("starts"):
+        print("  trainer job (re)starts, learner ranks on host: " + ", ".join(
+            f"{x['t']:.0f} s {'+'.join(x['learner_hosts']) or '?'}" for x in tr["starts"]))
+    for h in r.get("host_losses", []):
+        print(f"  host b lost: declared dead after {h['declared_dead_s']} s, joined again after "
+              f"{h['rejoined_s']} s, both replicas serving after {h['recovered_s']} s; "
+              f"{h['failed_attempts']} attempts failed ({h['requests_failed']} requests failed "
+              f"their retry too), {h['stalled']} stalled (until {h['stalled_until_s']} s)")
     print("  peak RSS (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in r["peak_rss_mb"].items()))
 
 
@@ -530,9 +700,13 @@ def save_plot(r: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 3.5))
     ax.scatter([t - start for t, _ in timeline], [ms for _, ms in timeline], s=6,
                label="completed request")
-    colors = dict(zip(KINDS, ("C1", "C2", "C3", "C4", "C5", "C6")))
+    colors = dict(zip(HOST_KINDS, ("C1", "C2", "C3", "C4", "C5", "C6", "C7")))
     for k in r["kills"]:
         ax.axvline(k["t"], color=colors.get(k["kind"], "k"), alpha=0.6, lw=1)
+    for k, h in zip([k for k in r["kills"] if k["kind"] == "host"], r.get("host_losses", [])):
+        ax.axvspan(k["t"], k["t"] + (h["recovered_s"] or 0), color="C7", alpha=0.15)
+    if "host_losses" not in r:
+        colors.pop("host")
     for kind, color in colors.items():
         ax.plot([], [], color=color, label=f"kill: {kind}")
     ax.set_xlabel("seconds")
@@ -561,6 +735,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None,
                    help="rows per update (default 16; 32 quick: the drain after the chaos, "
                    "which trains what is left, takes half as many updates)")
+    p.add_argument("--hosts", type=int, choices=(1, 2), default=1,
+                   help="2: on two hosts (network namespaces; root), host b lost among the "
+                   "faults")
+    p.add_argument("--host-down-s", type=float, default=45.0,
+                   help="--hosts 2: host b comes back this long after it was lost")
+    p.add_argument("--in-host", nargs=5, default=None, help=argparse.SUPPRESS,
+                   metavar=("NS_B", "DEV_B", "ADDRESS", "TEMP_DIR", "CPUS"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="a line every second")
     p.add_argument("--out", type=Path, default=RESULTS / "chaos.json")
@@ -575,16 +756,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def on_two_hosts(argv: list[str], args: argparse.Namespace) -> int:
+    """Make the two hosts (``tests/support/twohost.py``), run this soak as a driver on host a
+    (``--in-host``), then remove everything the hosts were, whatever happened."""
+    from tests.support.twohost import run_on_hosts
+
+    cpus = 4
+    return run_on_hosts(lambda h: [sys.executable, __file__, *argv, "--in-host", h.ns["b"],
+                                   h.dev["b"], h.address, f"{h.tmp}/ray", str(cpus)],
+                        timeout_s=5 * args.duration_s + args.drain_s + 900, cpus=cpus)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
+    if args.hosts == 2:
+        sys.path.insert(0, str(REPO))  # tests.support.twohost
+        if not args.in_host:
+            return on_two_hosts(argv, args)
     r = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(r, indent=2))
     save_plot(r, args.out.with_suffix(".png"))
     print_table(r)
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}", flush=True)
+    if args.in_host:
+        os._exit(0)  # the cluster goes with the hosts; nothing to wait for
     return 0
 
 

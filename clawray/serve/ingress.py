@@ -35,7 +35,7 @@ from clawray.serve.metrics import CountingSink, ServingMetrics
 from clawray.serve.response_store import start_response_store
 from clawray.serve.policy_server import HandlePolicy, LocalPolicy, PolicyCore
 from clawray.serve.protocol import APIError, parse_feedback, parse_request
-from clawray.sessions.pipeline import HubSink, start_live_pipeline
+from clawray.sessions.pipeline import HubSink, HubUnavailable, start_live_pipeline
 from clawray.weights.control import start_app_control
 from clawray.weights.receiver import WeightReceiver, start_receiver
 
@@ -249,6 +249,10 @@ class IngressCore:
                 session_key(tenant, user, fb.session_id) if fb.session_id else None, tenant)
         except APIError as e:
             return error_response(e)
+        except HubUnavailable as e:  # restarting, or on a lost host: the feedback can be resent
+            return error_response(APIError(503, f"feedback could not be applied now ({e}); "
+                                           "retry shortly", type="server_error",
+                                           code="hub_unavailable", headers={"Retry-After": "5"}))
         except Exception:  # e.g. a session hub restarting: retryable
             return internal_error("feedback")
         what = f"response '{fb.response_id}'" if fb.response_id else f"session '{fb.session_id}'"

@@ -113,6 +113,15 @@ def attach_live_pipeline(cfg: ClawRayConfig, app_name: str = "clawray") -> LiveP
                         [get(h) for h in n["hubs"]])
 
 
+# How long feedback waits for a session hub that has not answered (restarting, or on a host
+# that was lost and not yet declared dead) before the client is told to retry.
+FEEDBACK_WAIT_S = 8.0
+
+
+class HubUnavailable(Exception):
+    """A session hub did not answer feedback in time: the client should retry (HTTP 503)."""
+
+
 class HubSink:
     """The ingress's record sink: each record goes to its session's hub, fire-and-forget.
 
@@ -120,8 +129,9 @@ class HubSink:
     still fails is logged with the record's id and session, never dropped silently.
     """
 
-    def __init__(self, pipeline: LivePipeline) -> None:
+    def __init__(self, pipeline: LivePipeline, feedback_wait_s: float = FEEDBACK_WAIT_S) -> None:
         self.pipeline = pipeline
+        self.feedback_wait_s = feedback_wait_s
 
     def put(self, record: TurnRecord) -> None:
         ref = self.pipeline.hub_for(record.session_key()).submit.remote(record.to_dict())
@@ -133,18 +143,39 @@ class HubSink:
     async def feedback(self, rating: int, text: str | None, response_id: str | None,
                        session_key: str | None, tenant: str) -> dict[str, Any]:
         """Route feedback of ``tenant``: by session key to its hub, by response id to every hub
-        (first wins); a turn or session of another tenant is ``unknown``."""
+        (``first_known``); a turn or session of another tenant is ``unknown``."""
         if response_id is None:
-            return await self.pipeline.hub_for(session_key or "").feedback.remote(
-                rating, text, None, session_key, tenant)
-        hubs = ([self.pipeline.hub_for(session_key)] if session_key else self.pipeline.hubs)
-        results = await asyncio.gather(*(h.feedback.remote(rating, text, response_id, None,
-                                                           tenant) for h in hubs))
-        for status in ("applied", "sealed"):
-            for r in results:
-                if r["status"] == status:
-                    return r
-        return results[0]
+            refs = [self.pipeline.hub_for(session_key or "").feedback.remote(
+                rating, text, None, session_key, tenant)]
+        else:
+            hubs = [self.pipeline.hub_for(session_key)] if session_key else self.pipeline.hubs
+            refs = [h.feedback.remote(rating, text, response_id, None, tenant) for h in hubs]
+        return await first_known(refs, self.feedback_wait_s)
+
+
+async def first_known(answers: list[Any], wait_s: float) -> dict[str, Any]:
+    """The first of the hubs' ``answers`` (awaitables) that knows the turn ("applied" or
+    "sealed": a turn lives in one hub), without waiting for the rest; "unknown" once every hub
+    said so. ``HubUnavailable`` when, after ``wait_s``, no hub that answered knew it and some
+    have not answered (a hub restarting, or on a lost host)."""
+    async def answer(a: Any) -> dict[str, Any]:
+        return await a
+
+    tasks = [asyncio.ensure_future(answer(a)) for a in answers]
+    unknown: list[dict[str, Any]] = []
+    try:
+        for next_done in asyncio.as_completed(tasks, timeout=wait_s):
+            r = await next_done
+            if r["status"] != "unknown":
+                return r
+            unknown.append(r)
+    except asyncio.TimeoutError:
+        raise HubUnavailable(f"{len(tasks) - len(unknown)} of {len(tasks)} session hubs did "
+                             f"not answer within {wait_s:g} s") from None
+    finally:
+        for t in tasks:
+            t.cancel()
+    return unknown[0]
 
 
 def _log_failure(future: Any, record: TurnRecord) -> None:

@@ -49,6 +49,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[2]
 BOUND_S = 1500  # no Ray process of the harness runs longer than this
@@ -96,15 +97,17 @@ class Hosts:
             self._ip("-n", self.ns[h], "link", "set", "lo", "up")
             self._ip("-n", self.ns[h], "link", "set", self.dev[h], "up")
 
+    @property
+    def address(self) -> str:
+        return f"{self.ip['a']}:{PORT}"
+
     def start_ray(self, cpus: int = 2) -> None:
-        common = ["--block", "--disable-usage-stats", f"--num-cpus={cpus}",
-                  f"--temp-dir={self.tmp}/ray", "--object-store-memory=400000000"]
+        self.cpus = cpus
         head = [self.ray, "start", "--head", f"--node-ip-address={self.ip['a']}",
                 f"--port={PORT}", "--include-dashboard=false", "--labels=clawray-host=a",
-                '--resources={"host_a": 1, "runner_slot": 1}', *common]
-        worker = [self.ray, "start", f"--address={self.ip['a']}:{PORT}",
-                  f"--node-ip-address={self.ip['b']}", "--labels=clawray-host=b",
-                  '--resources={"host_b": 1, "runner_slot": 1}', *common]
+                '--resources={"host_a": 1, "runner_slot": 1}',
+                *node_args(f"{self.tmp}/ray", cpus)]
+        worker = worker_argv(self.address, self.ip["b"], f"{self.tmp}/ray", cpus)
         self.logs, self.procs = {}, {}
         for host, argv in (("a", head), ("b", worker)):
             self._start_node(host, argv)
@@ -134,15 +137,19 @@ class Hosts:
                                  *argv], stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                 cwd=REPO, start_new_session=True)
 
-    def driver(self, model_path: str, timeout_s: float, resume: bool = False
-               ) -> subprocess.CompletedProcess:
-        argv = ["ip", "netns", "exec", self.ns["a"], "timeout", str(int(timeout_s)),
-                sys.executable, __file__, "--driver", model_path, self.ns["b"], self.dev["b"],
-                f"{self.ip['a']}:{PORT}", self.tmp, "resume" if resume else ""]
-        # the head's address named: other Ray instances on the machine are seen too
-        # its JSON lines go straight to this process's stdout, as each check ends
-        return subprocess.run(argv, env={**self.env, "RAY_ADDRESS": f"{self.ip['a']}:{PORT}"},
-                              cwd=REPO, stdout=None, stderr=subprocess.PIPE, text=True)
+    def run_in_a(self, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+        """``argv`` in host a under ``timeout``, a driver of this cluster (``RAY_ADDRESS``
+        names the head: other Ray instances on the machine are seen too); its stdout goes
+        straight to this process's, its stderr is returned."""
+        return subprocess.run(["ip", "netns", "exec", self.ns["a"], "timeout",
+                               str(int(timeout_s)), *argv],
+                              env={**self.env, "RAY_ADDRESS": self.address}, cwd=REPO,
+                              stdout=None, stderr=subprocess.PIPE, text=True)
+
+    def driver_argv(self, model_path: str, resume: bool = False) -> list[str]:
+        """This file's checks as the driver (``drive``)."""
+        return [sys.executable, __file__, "--driver", model_path, self.ns["b"], self.dev["b"],
+                self.address, self.tmp, "resume" if resume else ""]
 
     def _kill_all(self, *hosts: str) -> None:
         """Every process in the namespaces of ``hosts``: SIGTERM, then SIGKILL."""
@@ -184,16 +191,72 @@ class Hosts:
         return "\n".join(out)
 
 
-def orchestrate(model_path: str, timeout_s: float, fast_detection: bool = True,
-                resume: bool = False) -> int:
+def node_args(temp_dir: str, cpus: int) -> list[str]:
+    """The ``ray start`` options both hosts' nodes share."""
+    return ["--block", "--disable-usage-stats", f"--num-cpus={cpus}", f"--temp-dir={temp_dir}",
+            "--object-store-memory=400000000"]
+
+
+def worker_argv(address: str, ip_b: str, temp_dir: str, cpus: int) -> list[str]:
+    """``ray start`` of host b's node, joining the head at ``address``."""
+    return [str(Path(sys.executable).with_name("ray")), "start", f"--address={address}",
+            f"--node-ip-address={ip_b}", "--labels=clawray-host=b",
+            '--resources={"host_b": 1, "runner_slot": 1}', *node_args(temp_dir, cpus)]
+
+
+def lose_host(ns: str, dev: str) -> None:
+    """A host powered off: its link goes down, then every process in its namespace gets
+    SIGKILL (no connection is closed, nothing is told)."""
+    subprocess.run(["ip", "-n", ns, "link", "set", dev, "down"], check=True, timeout=30)
+    for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                              text=True).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def rejoin_host(ns: str, dev: str, address: str, temp_dir: str, log_path: str,
+                cpus: int = 2) -> subprocess.Popen:
+    """Host b back: its link up and ``ray start`` again (under ``timeout``, like the first)."""
+    subprocess.run(["ip", "-n", ns, "link", "set", dev, "up"], check=True, timeout=30)
+    ip_b = address.split(":")[0].rsplit(".", 1)[0] + ".2"
+    log = open(log_path, "a")
+    return subprocess.Popen(["ip", "netns", "exec", ns, "timeout", str(BOUND_S),
+                             *worker_argv(address, ip_b, temp_dir, cpus)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def actors_on(label: str) -> list[str]:
+    """The classes of the alive actors on host ``label`` (read from the GCS: the harness runs
+    no dashboard)."""
+    import ray
+    from ray._private.state import actors
+
+    nodes = {n["NodeID"] for n in ray.nodes() if n["Labels"].get("clawray-host") == label}
+    return sorted(a["ActorClassName"] for a in actors().values()
+                  if a["State"] == "ALIVE" and a["Address"]["NodeID"] in nodes)
+
+
+def host_alive(label: str = "b") -> bool:
+    """Whether Ray counts a node of host ``label`` alive."""
+    import ray
+
+    return any(n["Alive"] and n["Labels"].get("clawray-host") == label for n in ray.nodes())
+
+
+def run_on_hosts(argv_of: Callable[["Hosts"], list[str]], timeout_s: float,
+                 fast_detection: bool = True, cpus: int = 2) -> int:
+    """Make the hosts, run ``argv_of(hosts)`` as a driver in host a (``Hosts.run_in_a``), then
+    remove everything the hosts were, whatever happened; the driver's exit status."""
     hosts = Hosts(fast_detection)
     # SIGTERM (a stopped test run) ends the harness through its cleanup below
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         hosts.up()
-        hosts.start_ray()
+        hosts.start_ray(cpus)
         sys.stdout.flush()
-        run = hosts.driver(model_path, timeout_s, resume)
+        run = hosts.run_in_a(argv_of(hosts), timeout_s)
         sys.stderr.write(run.stderr[-6000:])
         if run.returncode:
             sys.stderr.write(hosts.log_tail())
@@ -201,6 +264,11 @@ def orchestrate(model_path: str, timeout_s: float, fast_detection: bool = True,
     finally:
         hosts.down()
         shutil.rmtree(hosts.tmp, ignore_errors=True)
+
+
+def orchestrate(model_path: str, timeout_s: float, fast_detection: bool = True,
+                resume: bool = False) -> int:
+    return run_on_hosts(lambda h: h.driver_argv(model_path, resume), timeout_s, fast_detection)
 
 
 # ------------------------------------------------------------------------- the driver (host a)
@@ -228,7 +296,7 @@ def check_hosts() -> dict:
             "driver_ip": ray.util.get_node_ip_address()}
 
 
-def _actor_hosts(class_part: str) -> list[str]:
+def actor_hosts(class_part: str) -> list[str]:
     """The hosts of the alive actors whose class name contains ``class_part`` (read from the
     GCS: the harness runs no dashboard)."""
     import ray
@@ -285,7 +353,7 @@ def check_live(tmp: str, port: int) -> tuple[dict, object, object]:
     serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/{APP}/v1", api_key=API_KEY,
                            max_retries=0, timeout=120)
-    replica_hosts = _actor_hosts("ServeReplica:twohost:Ingress")
+    replica_hosts = actor_hosts("ServeReplica:twohost:Ingress")
     trainer = Trainer(config=cfg.to_dict())
     turns = sum(_session(client, f"s-{i}", good=i % 2 == 0) for i in range(6))
     results, deadline = [], time.monotonic() + 120
@@ -313,8 +381,8 @@ def check_live(tmp: str, port: int) -> tuple[dict, object, object]:
     trainer.save_checkpoint(f"{tmp}/saved")  # where a restarted job resumes (--resume)
     diff = max(max(abs(a - b) for a, b in zip(s, learner_lp)) for s in served)
     return ({"check": "live", "replica_hosts": replica_hosts,
-             "buffer_host": _actor_hosts("SampleBuffer"),
-             "learner_hosts": _actor_hosts("LearnerWorker"),
+             "buffer_host": actor_hosts("SampleBuffer"),
+             "learner_hosts": actor_hosts("LearnerWorker"),
              "turns": turns, "iterations": results, "buffer": {
                  k: buffer_stats.get(k) for k in ("rows_added", "rows_taken", "rows_acked",
                                                   "rows_redelivered", "duplicates",
@@ -376,18 +444,11 @@ def check_host_loss(trainer, cfg, tmp: str, port: int, ns_b: str, dev_b: str) ->
         t.start()
     time.sleep(10.0)  # steady state on both replicas
     lost_at.append(time.monotonic())
-    subprocess.run(["ip", "-n", ns_b, "link", "set", dev_b, "down"], check=True)
-    for pid in subprocess.run(["ip", "netns", "pids", ns_b], capture_output=True,
-                              text=True).stdout.split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    lose_host(ns_b, dev_b)
     # Ray's own health checks (its defaults) find the node dead; then 20 s more of load
     declared = None
     while time.monotonic() - lost_at[0] < 180:
-        if declared is None and not any(n["Alive"] and n["Labels"].get("clawray-host") == "b"
-                                        for n in ray.nodes()):
+        if declared is None and not host_alive("b"):
             declared = time.monotonic()
         if declared is not None and time.monotonic() - declared > 20:
             break
@@ -459,7 +520,7 @@ def check_host_loss(trainer, cfg, tmp: str, port: int, ns_b: str, dev_b: str) ->
             "answered": answered, "recorded": recorded, "turns_after": sessions_after,
             "rows": rows,
             "trainer": trainer_said,
-            "replica_hosts_after": _actor_hosts("ServeReplica:twohost:Ingress")}
+            "replica_hosts_after": actor_hosts("ServeReplica:twohost:Ingress")}
 
 
 def check_return(cfg, tmp: str, ns_b: str, dev_b: str, address: str) -> dict:
@@ -473,16 +534,8 @@ def check_return(cfg, tmp: str, ns_b: str, dev_b: str, address: str) -> dict:
     from clawray.training.trainer import Trainer
 
     started = time.monotonic()
-    subprocess.run(["ip", "-n", ns_b, "link", "set", dev_b, "up"], check=True)
-    ip_b = address.split(":")[0].rsplit(".", 1)[0] + ".2"
-    argv = ["ip", "netns", "exec", ns_b, "timeout", str(BOUND_S),
-            str(Path(sys.executable).with_name("ray")), "start", "--block",
-            f"--address={address}", f"--node-ip-address={ip_b}", "--labels=clawray-host=b",
-            '--resources={"host_b": 1, "runner_slot": 1}', "--disable-usage-stats",
-            "--num-cpus=2", "--object-store-memory=400000000", f"--temp-dir={tmp}/ray"]
-    log = open(f"{tmp}/ray-b-again.log", "w")
-    subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    while not any(n["Alive"] and n["Labels"].get("clawray-host") == "b" for n in ray.nodes()):
+    rejoin_host(ns_b, dev_b, address, f"{tmp}/ray", f"{tmp}/ray-b-again.log")
+    while not host_alive("b"):
         if time.monotonic() - started > 180:
             raise RuntimeError("host b did not join again in 180 s")
         time.sleep(1.0)
@@ -507,9 +560,9 @@ def check_return(cfg, tmp: str, ns_b: str, dev_b: str, address: str) -> dict:
         time.sleep(2.0)
     st = ray.get(fresh.pipeline.buffer.stats.remote())
     return {"check": "return", "joined_s": round(joined, 1),
-            "learner_hosts": _actor_hosts("LearnerWorker"), "version_restored": version_restored,
+            "learner_hosts": actor_hosts("LearnerWorker"), "version_restored": version_restored,
             "iterations": results, "versions": versions,
-            "replica_hosts": _actor_hosts("ServeReplica:twohost:Ingress"),
+            "replica_hosts": actor_hosts("ServeReplica:twohost:Ingress"),
             "rows": {k: st[k] for k in ("rows_added", "rows_acked", "rows_redelivered",
                                         "available", "leased_rows")},
             "seconds": round(time.monotonic() - started, 1)}

@@ -143,3 +143,60 @@ def table(lines: Iterable[dict[str, Any]], pool: str = "test") -> str:
                     f"{st['mean']:.3f}{se} ({st['min']:.3f} – {st['max']:.3f}) | "
                     f"{len(cell['later'])} |")
     return "\n".join(rows)
+
+
+# The README's table of results (``headline``): the live demo on the embedded model, and on
+# SmolLM2 without and with the KL weight; what each experiment claims is in its docs.
+HEADLINE = {
+    "demo-lockstep": "live demo, embedded model (docs/training.md)",
+    "demo-lockstep-concise-smollm2-135m-instruct": "live demo, SmolLM2, no KL (docs/models.md)",
+    "demo-lockstep-concise-smollm2-135m-instruct-kl0.1":
+        "live demo, SmolLM2, KL 0.1 (docs/models.md)",
+}
+TRAINED_ARM = "/none"  # an arm name ending so is the trained arm; the others are its controls
+
+
+def headline(lines: Iterable[dict[str, Any]], experiments: dict[str, str] | None = None,
+             metric: str = "satisfaction", pool: str = "test") -> str:
+    """A Markdown table of ``experiments`` (name: description; default ``HEADLINE``) from
+    ``first_runs``: per arm the seeds, ``<metric>_before`` and ``_after`` (means), the change
+    (mean ± s.e.), and for each control the trained arm's change minus the control's, paired
+    by seed (mean ± s.e., ``scipy.stats.ttest_rel``'s p; "shown" where p < 0.05)."""
+    from scipy import stats
+
+    experiments = HEADLINE if experiments is None else experiments
+    cells = first_runs(lines, pool)
+    rows = ["| experiment | arm | seeds | before | after | change, points | trained − this "
+            "arm, paired |", "|---|---|---|---|---|---|---|"]
+
+    def pct(x: float) -> str:
+        return f"{100 * x:.1f}%"
+
+    def points(st: dict[str, Any]) -> str:
+        se = "" if st["stderr"] is None else f" ± {100 * st['stderr']:.1f}"
+        return f"{100 * st['mean']:+.1f}{se}"
+
+    for name, description in experiments.items():
+        arms = sorted({arm for (e, arm, m) in cells if e == name and m == f"{metric}_change"},
+                      key=lambda a: (not a.endswith(TRAINED_ARM), a))
+        trained = next((a for a in arms if a.endswith(TRAINED_ARM)), None)
+        for arm in arms:
+            change = cells[(name, arm, f"{metric}_change")]
+            before = cells.get((name, arm, f"{metric}_before"))
+            after = cells.get((name, arm, f"{metric}_after"))
+            paired = "—"
+            if trained is not None and arm != trained:
+                t = cells[(name, trained, f"{metric}_change")]["first"]
+                seeds = sorted(set(t) & set(change["first"]))
+                diffs = [t[k]["value"] - change["first"][k]["value"] for k in seeds]
+                if len(seeds) >= 2 and len(set(diffs)) > 1:
+                    p_value = float(stats.ttest_rel([t[k]["value"] for k in seeds],
+                                                    [change["first"][k]["value"]
+                                                     for k in seeds]).pvalue)
+                    paired = (f"{points(seed_stats(diffs))} (p = {p_value:.3g}, "
+                              f"{'shown' if p_value < 0.05 else 'not shown'})")
+            rows.append(f"| {description} | {arm} | {len(change['seeds'])} | "
+                        f"{pct(before['stats']['mean']) if before else '—'} | "
+                        f"{pct(after['stats']['mean']) if after else '—'} | "
+                        f"{points(change['stats'])} | {paired} |")
+    return "\n".join(rows)

@@ -359,6 +359,9 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     lines = ledger.read(path)
     if not lines:
         raise ConfigError(f"the ledger {path} holds no evaluation yet")
+    if args.headline:  # the README's table (README.md, "Results on the ledger")
+        print(ledger.headline(lines, pool=args.pool))
+        return 0
     print(f"{path}: {len(lines)} evaluations; pool {args.pool}, each seed's first run "
           "(later runs counted, never averaged in)")
     print(ledger.table(lines, args.pool))
@@ -505,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool", default="test", choices=("test", "validation"))
     p.add_argument("--path", help="the ledger file (default: $CLAWRAY_LEDGER, else the "
                    "checkout's docs/results/ledger.jsonl)")
+    p.add_argument("--headline", action="store_true",
+                   help="the README's table: the headline experiments' arms, before, after, "
+                        "change and each control against the trained arm, paired by seed")
     p.set_defaults(fn=cmd_ledger)
     p = sub.add_parser("status", help="a running app on one screen: replicas, engine, "
                        "policy versions, sessions, judge backlog, buffer, gate")

@@ -77,3 +77,45 @@ def test_before_after_lines_hold_only_what_was_measured_and_are_recorded_as_give
     written = ledger.record_lines(lines, path=path, command="clawray x")
     assert ledger.read(path) == written and written[2]["command"] == "clawray x"
     assert written[2]["pool"] == "validation" and written[2]["steps"] == 3
+
+
+def _before_after(path, experiment, arm, seed, before, after):
+    for line in ledger.before_after("satisfaction", before, after, experiment=experiment,
+                                    arm=arm, seed=seed, pool="test"):
+        ledger.record(**line, path=path)
+
+
+def test_the_headline_pairs_each_control_with_the_trained_arm_by_seed(tmp_path):
+    path = tmp_path / "l.jsonl"
+    rises = {"j/none": [0.5, 0.6, 0.4], "j/shuffled_feedback": [0.1, 0.0, 0.05]}
+    for arm, values in rises.items():
+        for seed, rise in enumerate(values):
+            _before_after(path, "exp", arm, seed, 0.2, 0.2 + rise)
+    _before_after(path, "exp", "j/none", 0, 0.2, 0.2)  # a later run: listed, not in the table
+    _before_after(path, "other", "j/none", 0, 0.1, 0.9)  # not a headline experiment
+    table = ledger.headline(ledger.read(path), {"exp": "the experiment"})
+    rows = table.splitlines()[2:]
+    assert len(rows) == 2 and rows[0].startswith("| the experiment | j/none | 3 | 20.0% | 70.0% |")
+    assert "+50.0 ± 5.8 | — |" in rows[0]  # the trained arm first, no pairing of its own
+    # differences 0.40, 0.60, 0.35: mean 0.45, s.e. 0.076, t = 5.9 on 2 degrees of freedom
+    assert rows[1] == ("| the experiment | j/shuffled_feedback | 3 | 20.0% | 25.0% | +5.0 ± 2.9 "
+                       "| +45.0 ± 7.6 (p = 0.0276, shown) |")
+
+
+def test_a_control_that_learned_as_much_is_not_shown(tmp_path):
+    path = tmp_path / "l.jsonl"
+    for seed, (trained, control) in enumerate(((0.5, 0.45), (0.3, 0.4), (0.4, 0.35))):
+        _before_after(path, "exp", "j/none", seed, 0.2, 0.2 + trained)
+        _before_after(path, "exp", "j/shuffled_feedback", seed, 0.2, 0.2 + control)
+    row = ledger.headline(ledger.read(path), {"exp": "e"}).splitlines()[-1]
+    assert "not shown" in row
+
+
+def test_the_readme_table_is_the_ledgers():
+    """README.md's "Results on the ledger" block is ``clawray ledger --headline`` of the
+    repository's ledger: a figure changed in one place only fails here."""
+    repo = ledger.Path(__file__).resolve().parents[2]
+    readme = (repo / "README.md").read_text()
+    start, end = "<!-- ledger:headline -->\n", "\n<!-- /ledger:headline -->"
+    block = readme[readme.index(start) + len(start):readme.index(end)]
+    assert block == ledger.headline(ledger.read(repo / "docs" / "results" / "ledger.jsonl"))

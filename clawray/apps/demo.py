@@ -363,9 +363,11 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
         f"{judging['judge_calls']} judge calls timed out")
     after = asyncio.run(evaluate(base_url, api_key, model, n=eval_n, seed=seed, pool=eval_pool,
                                  preference=pref, **sampling))
+    # a real model's content check (the embedded model's canned replies never name a topic)
+    topic = (f"; replies naming their request's topic: {_share(before.on_topic)} -> "
+             f"{_share(after.on_topic)}" if is_real_model(cfg) else "")
     log(f"clawray demo: after {iterations} steps, {after.rate:.1%} "
-        f"(policy v{max(after.policy_versions)}; before: {before.rate:.1%}); replies naming "
-        f"their request's topic: {_share(before.on_topic)} -> {_share(after.on_topic)}")
+        f"(policy v{max(after.policy_versions)}; before: {before.rate:.1%}){topic}")
     for name, result in (("before", before), ("after", after)):
         with open(out / f"eval_{name}.jsonl", "w") as f:
             for rec in result.interactions:
@@ -624,11 +626,11 @@ def run_demo_seeds(cfg: ClawRayConfig, out: Path, seeds: list[int],
     for control, agg in aggs.items():
         where = out / control if len(controls) > 1 else out
         b, a, r = agg["before"], agg["after"], agg["rise"]
-        print(f"clawray demo [{control}]: {agg['runs']} seeds on the held-out pool: "
-              f"{b['mean']:.1%} → {a['mean']:.1%}, rise {r['mean']:+.1%} ± "
-              f"{r['stderr'] or 0:.1%} (s.e.), rose in {agg['rose_in']} of {agg['runs']}; "
-              f"{where / 'demo_seeds.png'}")
-        if agg["on_topic_before"] and agg["on_topic_after"]:
+        se = "" if r["stderr"] is None else f" ± {r['stderr']:.1%} (s.e.)"
+        print(f"clawray demo [{control}]: {agg['runs']} seed{'s' * (agg['runs'] > 1)} on the "
+              f"held-out pool: {b['mean']:.1%} → {a['mean']:.1%}, rise {r['mean']:+.1%}{se}, "
+              f"rose in {agg['rose_in']} of {agg['runs']}; {where / 'demo_seeds.png'}")
+        if is_real_model(cfg) and agg["on_topic_before"] and agg["on_topic_after"]:
             print(f"clawray demo [{control}]: replies naming their request's topic "
                   f"{agg['on_topic_before']['mean']:.1%} → {agg['on_topic_after']['mean']:.1%}")
     errors = any(p.get("user_errors") for a in aggs.values() for p in a["seeds"])
@@ -639,6 +641,11 @@ def run_demo_seeds(cfg: ClawRayConfig, out: Path, seeds: list[int],
     compared = write_arms(aggs, out)
     for control, c in compared.items():
         d = c["difference"]
+        if len(c["seeds"]) < 2:  # nothing to test yet: say what would
+            print(f"clawray demo: trained − {control}: {d['mean']:+.1%} on seed "
+                  f"{c['seeds'][0]}; whether it is more than chance needs a paired test over "
+                  "seeds (--seeds 0 1 2 3 4)")
+            continue
         p = "n/a" if c["p_value"] is None else f"{c['p_value']:.3f}"
         print(f"clawray demo: trained − {control}: {d['mean']:+.1%} ± {d['stderr'] or 0:.1%} "
               f"over seeds {c['seeds']} (paired t-test p = {p}): "

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from clawray import ledger
-from clawray.apps.demo import UserPool, demo_config, judge_description, users_phrasing, with_judge
+from clawray.apps.demo import (UserPool, demo_config, judge_description, run_defaults,
+                               users_phrasing, with_judge)
 from clawray.config import ClawRayConfig
 from clawray.sim.preferences import BriefReplies, DetailedReplies, Preference
 from clawray.sim.users import evaluate
@@ -87,7 +88,7 @@ def make_members(seed: int, users_per_group: int) -> list[tuple[str, str, str]]:
 
 async def evaluate_users(base_url: str, model: str, members: list[tuple[str, str, str]],
                          preferences: dict[str, Preference], *, n: int, seed: int,
-                         pool: str) -> dict[str, Any]:
+                         pool: str, **sampling: Any) -> dict[str, Any]:
     """Each user's satisfaction on ``n`` requests of prompt pool ``pool`` (user ``i`` its own
     seeded set, ``seed * 1000 + i``: a group is measured on its users' requests together),
     asked with their own key; per group the mean of its users' rates."""
@@ -95,7 +96,7 @@ async def evaluate_users(base_url: str, model: str, members: list[tuple[str, str
     for i, (group, name, key) in enumerate(members):
         r = await evaluate(base_url, key, model, n=n, seed=seed * 1000 + i,
                            preference=preferences[group], pool=pool,
-                           type_weights=TYPE_WEIGHTS)
+                           type_weights=TYPE_WEIGHTS, **sampling)
         users[name] = {"group": group, "rate": r.rate, "n": r.n, "errors": r.errors,
                        "per_type": r.per_type, "policy_versions": r.policy_versions}
     groups = {g: sum(u["rate"] for u in users.values() if u["group"] == g)
@@ -123,6 +124,8 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, mode: str,
                                           lr, kl), judge, log=log)
     phrasing = users_phrasing(cfg)
     preferences = {g: cls(phrasing=phrasing) for g, cls in GROUPS.items()}
+    # the model's sampling: the embedded model's, or a real model's (shorter replies, cooler)
+    sampling = {k: run_defaults(cfg)[k] for k in ("temperature", "max_tokens")}
     started = time.monotonic()
     try:
         base_url = start_serving(cfg, blocking=False)
@@ -131,12 +134,12 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, mode: str,
             f"({time.monotonic() - started:.0f} s); {len(members)} users with keys of their "
             f"own: {', '.join(n for _, n, _ in members)}")
         before = asyncio.run(evaluate_users(base_url, model, members, preferences, n=eval_n,
-                                            seed=seed, pool=eval_pool))
+                                            seed=seed, pool=eval_pool, **sampling))
         log("  before: " + _groups_line(before))
         trainer = Trainer(config=cfg.to_dict())
         index = {i: g for i, (g, _, _) in enumerate(members)}
         pool = UserPool(base_url, model, [(k, preferences[g]) for g, _, k in members], seed,
-                        out / "interactions.jsonl", TYPE_WEIGHTS).start()
+                        out / "interactions.jsonl", TYPE_WEIGHTS, **sampling).start()
         curve: list[dict[str, Any]] = []
         trained, seen, steps = 0, 0, 0
         try:
@@ -157,14 +160,14 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, mode: str,
             pool.stop()
             trainer.stop()
         after = asyncio.run(evaluate_users(base_url, model, members, preferences, n=eval_n,
-                                           seed=seed, pool=eval_pool))
+                                           seed=seed, pool=eval_pool, **sampling))
         log("  after:  " + _groups_line(after))
     finally:
         ray.shutdown()
     summary = {"seed": seed, "mode": mode, "budget": budget, "rows_trained": trained,
                "steps": steps, "eval_pool": eval_pool, "eval_n_per_user": eval_n,
                "users_per_group": users_per_group, "lr": lr, "kl_coef": kl, **LORA,
-               "type_weights": TYPE_WEIGHTS,
+               "type_weights": TYPE_WEIGHTS, "sampling": sampling,
                "judge": judge_description(cfg), "users_phrasing": phrasing,
                "before": before, "after": after, "curve": curve,
                "user_errors": sum(x.error is not None for x in pool.interactions),

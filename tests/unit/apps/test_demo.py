@@ -170,6 +170,31 @@ def test_the_demo_seeds_run_seed_major_and_leave_each_arms_aggregate_after_every
     assert arms["compared"]["shuffled_feedback"]["seeds"] == [0]
 
 
+def test_make_demos_one_seed_says_what_a_test_needs_instead_of_not_shown(monkeypatch, tmp_path,
+                                                                        capsys):
+    """``make demo`` runs one seed of two arms: the difference is printed, with what it takes
+    to test it, not a verdict a single seed cannot give."""
+    import json
+
+    from clawray.apps import demo
+    from clawray.config import ClawRayConfig
+
+    def fake_run(cfg, where, *, seed, control, **kw):
+        where.mkdir(parents=True)
+        after = 0.78 if control == "none" else 0.38
+        (where / "summary.json").write_text(json.dumps(summary(seed, 0.39, after)))
+
+    monkeypatch.setattr(demo, "run_demo", fake_run)
+    assert demo.run_demo_seeds(ClawRayConfig(), tmp_path, [0],
+                               controls=("none", "shuffled_feedback")) == 0
+    out = capsys.readouterr().out
+    assert "clawray demo [none]: 1 seed on the held-out pool: 39.0% → 78.0%, rise +39.0%, " \
+        "rose in 1 of 1" in out
+    assert "trained − shuffled_feedback: +40.0% on seed 0; whether it is more than chance " \
+        "needs a paired test over seeds (--seeds 0 1 2 3 4)" in out
+    assert "NOT shown" not in out and "topic" not in out  # the embedded model: no topic check
+
+
 def test_a_real_models_experiment_names_its_kl_weight_the_embedded_ones_do_not():
     from clawray.apps.demo import experiment_name
     from clawray.config import ClawRayConfig

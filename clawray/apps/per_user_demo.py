@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from clawray import ledger
-from clawray.apps.demo import (UserPool, demo_config, judge_description, run_defaults,
-                               users_phrasing, with_judge)
+from clawray.apps.demo import (UserPool, demo_config, is_real_model, judge_description,
+                               run_defaults, users_phrasing, with_judge)
 from clawray.config import ClawRayConfig
 from clawray.sim.preferences import BriefReplies, DetailedReplies, Preference
 from clawray.sim.users import evaluate
@@ -164,7 +164,8 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, mode: str,
         log("  after:  " + _groups_line(after))
     finally:
         ray.shutdown()
-    summary = {"seed": seed, "mode": mode, "budget": budget, "rows_trained": trained,
+    summary = {"seed": seed, "mode": mode, "model": model, "real_model": is_real_model(cfg),
+               "budget": budget, "rows_trained": trained,
                "steps": steps, "eval_pool": eval_pool, "eval_n_per_user": eval_n,
                "users_per_group": users_per_group, "lr": lr, "kl_coef": kl, **LORA,
                "type_weights": TYPE_WEIGHTS, "sampling": sampling,
@@ -180,10 +181,11 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, mode: str,
 def ledger_lines(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """One run's lines for the ledger: per user group its satisfaction before, after and the
     change on the held-out pool (the mean of its users' rates; n: its users' requests).
-    Experiment ``per-user-demo`` (``-judge-model`` with the judge model), arm
-    ``<mode>/<group>``."""
+    Experiment ``per-user-demo`` (``-judge-model`` with the judge model; ``-<model>`` on a
+    real model), arm ``<mode>/<group>``."""
     keyword = str(summary["judge"]).startswith("function")
-    experiment = "per-user-demo" + ("" if keyword else "-judge-model")
+    experiment = "per-user-demo" + ("" if keyword else "-judge-model") + (
+        f"-{summary['model']}" if summary.get("real_model") else "")
     lines = []
     for group in GROUPS:
         n = sum(u["n"] for u in summary["after"]["users"].values() if u["group"] == group)

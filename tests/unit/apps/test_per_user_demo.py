@@ -85,3 +85,7 @@ def test_each_group_of_each_mode_goes_to_the_ledger_before_after_and_change(tmp_
     s.update(judge="server judge-sft (m=3, T=0.6)", mode="shared")
     assert {x["experiment"] for x in ledger_lines(s)} == {"per-user-demo-judge-model"}
     assert {x["arm"] for x in ledger_lines(s)} == {"shared/brief", "shared/detailed"}
+    # a real model's runs are their own experiment, never later runs of the embedded model's
+    s.update(model="smollm2-135m-instruct", real_model=True)
+    assert {x["experiment"] for x in ledger_lines(s)} == {
+        "per-user-demo-judge-model-smollm2-135m-instruct"}

@@ -18,6 +18,10 @@ from the environment when it starts. Setups (rows):
     serve-tput-direct    ... RAY_SERVE_THROUGHPUT_OPTIMIZED=1, straight to the replica's port
     serve-tput-proxy     ... RAY_SERVE_THROUGHPUT_OPTIMIZED=1, through the Serve proxy (gRPC)
     serve-split-direct   split layout (Ingress -> PolicyServer handle), throughput-optimized
+    serve-proxy-2        two ingress replicas, Serve defaults, through the Serve proxy
+    serve-proxy-2-nocache  ... RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S=0: the router probes
+                         each replica's queue length before every request (what losing a
+                         host asks for, docs/deploy.md); its cost against serve-proxy-2
 
 Writes ``bench/results/serving.json`` and ``bench/results/serving.png`` and prints a table.
 """
@@ -74,13 +78,18 @@ SETUPS = [
           "RAY_SERVE_THROUGHPUT_OPTIMIZED=1, via Serve proxy"),
     Setup("serve-split-direct", "ray-split", "direct",
           "split layout, throughput-optimized, replica port"),
+    Setup("serve-proxy-2", "ray-2", "proxy", "2 ingress replicas, via Serve proxy"),
+    Setup("serve-proxy-2-nocache", "ray-2-nocache", "proxy",
+          "2 replicas, no queue-length cache, via Serve proxy"),
 ]
-# Ray environment and clawray layout of each Ray group.
-RAY_GROUPS: dict[str, tuple[dict[str, str], str]] = {
-    "ray-default": ({}, "colocated"),
-    "ray-direct": ({"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}, "colocated"),
-    "ray-tput": (TPUT, "colocated"),
-    "ray-split": (TPUT, "split"),
+# Ray environment, clawray layout and ingress replicas of each Ray group.
+RAY_GROUPS: dict[str, tuple[dict[str, str], str, int]] = {
+    "ray-default": ({}, "colocated", 1),
+    "ray-direct": ({"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}, "colocated", 1),
+    "ray-tput": (TPUT, "colocated", 1),
+    "ray-split": (TPUT, "split", 1),
+    "ray-2": ({}, "colocated", 2),
+    "ray-2-nocache": ({"RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S": "0"}, "colocated", 2),
 }
 BASELINE = "peer-proxy"
 
@@ -95,12 +104,14 @@ def pin_model(name: str) -> dict[str, str]:
     return {"path": str(info.path), "served_name": info.name}
 
 
-def clawray_config(args: argparse.Namespace, layout: str = "colocated") -> dict[str, Any]:
+def clawray_config(args: argparse.Namespace, layout: str = "colocated",
+                   replicas: int = 1) -> dict[str, Any]:
     """The clawray config every setup serves with (records off: pure serving overhead)."""
     return {"model": args.pinned_model,
             "inference": {"engine": "fixed_latency", "fixed_latency_s": args.latency_s},
             "serving": {"layout": layout, "record_sink": args.record_sink,
-                        "max_ongoing_requests": args.max_ongoing_requests}}
+                        "max_ongoing_requests": args.max_ongoing_requests,
+                        "ingress_replicas": replicas}}
 
 
 # ------------------------------------------------------------------------- measuring
@@ -218,8 +229,8 @@ def start_group(group: str, args: argparse.Namespace, logdir: Path) -> Servers:
         return Servers()
     if group == "peer":
         return start_peer(clawray_config(args), logdir)
-    env, layout = RAY_GROUPS[group]
-    return start_ray(group, env, clawray_config(args, layout), logdir)
+    env, layout, replicas = RAY_GROUPS[group]
+    return start_ray(group, env, clawray_config(args, layout, replicas), logdir)
 
 
 def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:

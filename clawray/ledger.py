@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
-from clawray.stats import seed_stats
+from clawray.stats import paired_difference, seed_stats
 
 LEDGER_ENV = "CLAWRAY_LEDGER"
 _REPO = Path(__file__).resolve().parents[1]
@@ -162,8 +162,6 @@ def headline(lines: Iterable[dict[str, Any]], experiments: dict[str, str] | None
     ``first_runs``: per arm the seeds, ``<metric>_before`` and ``_after`` (means), the change
     (mean ± s.e.), and for each control the trained arm's change minus the control's, paired
     by seed (mean ± s.e., ``scipy.stats.ttest_rel``'s p; "shown" where p < 0.05)."""
-    from scipy import stats
-
     experiments = HEADLINE if experiments is None else experiments
     cells = first_runs(lines, pool)
     rows = ["| experiment | arm | seeds | before | after | change, points | trained − this "
@@ -177,6 +175,10 @@ def headline(lines: Iterable[dict[str, Any]], experiments: dict[str, str] | None
         return f"{100 * st['mean']:+.1f}{se}"
 
     for name, description in experiments.items():
+        def values(arm: str) -> dict[int, float]:  # the change of each seed's first run
+            return {k: line["value"]
+                    for k, line in cells[(name, arm, f"{metric}_change")]["first"].items()}
+
         arms = sorted({arm for (e, arm, m) in cells if e == name and m == f"{metric}_change"},
                       key=lambda a: (not a.endswith(TRAINED_ARM), a))
         trained = next((a for a in arms if a.endswith(TRAINED_ARM)), None)
@@ -186,15 +188,10 @@ def headline(lines: Iterable[dict[str, Any]], experiments: dict[str, str] | None
             after = cells.get((name, arm, f"{metric}_after"))
             paired = "—"
             if trained is not None and arm != trained:
-                t = cells[(name, trained, f"{metric}_change")]["first"]
-                seeds = sorted(set(t) & set(change["first"]))
-                diffs = [t[k]["value"] - change["first"][k]["value"] for k in seeds]
-                if len(seeds) >= 2 and len(set(diffs)) > 1:
-                    p_value = float(stats.ttest_rel([t[k]["value"] for k in seeds],
-                                                    [change["first"][k]["value"]
-                                                     for k in seeds]).pvalue)
-                    paired = (f"{points(seed_stats(diffs))} (p = {p_value:.3g}, "
-                              f"{'shown' if p_value < 0.05 else 'not shown'})")
+                c = paired_difference(values(trained), values(arm))
+                if c["p_value"] is not None:
+                    paired = (f"{points(c['difference'])} (p = {c['p_value']:.3g}, "
+                              f"{'shown' if c['shown'] else 'not shown'})")
             rows.append(f"| {description} | {arm} | {len(change['seeds'])} | "
                         f"{pct(before['stats']['mean']) if before else '—'} | "
                         f"{pct(after['stats']['mean']) if after else '—'} | "

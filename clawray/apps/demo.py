@@ -35,7 +35,7 @@ from clawray.models.loader import policy_model_info
 from clawray.sessions.pipeline import attach_live_pipeline
 from clawray.sim.preferences import get_preference
 from clawray.sim.users import SimUser, evaluate, make_client
-from clawray.stats import seed_stats
+from clawray.stats import paired_difference, seed_stats
 from clawray.training.trainer import Trainer
 
 ITERATIONS = 40
@@ -531,25 +531,14 @@ def compare_arms(aggs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     difference of their rises, its mean and standard error, and a paired t-test
     (``scipy.stats.ttest_rel``; None under two seeds). "shown" only where p < 0.05 and the
     trained arm rose more."""
-    from scipy import stats
-
     out: dict[str, Any] = {}
     if "none" not in aggs:
         return out
     trained = {p["seed"]: p["rise"] for p in aggs["none"]["seeds"]}
     for control, agg in aggs.items():
-        if control == "none":
-            continue
-        other = {p["seed"]: p["rise"] for p in agg["seeds"]}
-        seeds = sorted(set(trained) & set(other))
-        diffs = [trained[k] - other[k] for k in seeds]
-        p_value = (float(stats.ttest_rel([trained[k] for k in seeds],
-                                         [other[k] for k in seeds]).pvalue)
-                   if len(seeds) >= 2 and len(set(diffs)) > 1 else None)
-        out[control] = {"seeds": seeds, "difference": seed_stats(diffs) if diffs else None,
-                        "p_value": p_value,
-                        "shown": bool(p_value is not None and p_value < 0.05
-                                      and sum(diffs) > 0)}
+        if control != "none":
+            out[control] = paired_difference(trained,
+                                             {p["seed"]: p["rise"] for p in agg["seeds"]})
     return out
 
 

@@ -193,7 +193,7 @@ class ServingConfig(_Section):
         "clawray", description="Who reads tool calls in a reply: 'clawray' (<tool_call> JSON "
         "blocks, the markup of clawray's templates and Hermes/Qwen-style models; streamed per "
         "call) or the name of one of vLLM's tool parsers (hermes, pythonic, llama3_json, "
-        "mistral, ...: a reply that may call tools is then parsed once complete). "
+        "mistral, ...: its streaming reader streams content and each whole call). "
         "docs/models.md, 'Tools'.")
     json_whitespace: int | None = Field(
         2, ge=1, description="Constrained JSON (response_format, tool-call arguments): the "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
+from collections.abc import Sequence
 from typing import Any, Union
 
 TOOL_CALL_START = "<tool_call>"
@@ -125,6 +126,28 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
     return (content or None), calls
 
 
+class ContentStream:
+    """Streams a message's content as the whole-reply rule writes it (``strip``): leading
+    whitespace dropped, whitespace held back until text follows it (none ends the message)."""
+
+    def __init__(self) -> None:
+        self.held = ""  # trailing whitespace withheld from the stream
+        self.sent = ""  # what went out
+
+    def feed(self, text: str) -> list[ContentDelta]:
+        if not text:
+            return []
+        text = self.held + text
+        body = text.rstrip()
+        self.held = text[len(body):]
+        if not self.sent:
+            body = body.lstrip()
+        if not body:
+            return []
+        self.sent += body
+        return [ContentDelta(body)]
+
+
 def _partial_start(text: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of the start tag."""
     for n in range(min(len(text), len(TOOL_CALL_START) - 1), 0, -1):
@@ -140,12 +163,12 @@ class StreamingToolCallParser:
         self._outside = ""  # text outside a block not yet classified (possible start tag)
         self._block: str | None = None  # body of the open block, None when outside
         self._scanned = 0  # how much of the open block was searched for the end tag
-        self._held_ws = ""  # trailing whitespace withheld from the stream
-        self._started = False  # whether any content has been emitted yet
+        self._content = ContentStream()
         self._count = 0
 
-    def feed(self, delta: str) -> list[Event]:
-        """Consume the next piece of model text."""
+    def feed(self, delta: str, ids: Sequence[int] = ()) -> list[Event]:
+        """Consume the next piece of model text (``ids``, the reply's token ids so far, are
+        for vLLM's parsers, which some read; this one does not)."""
         events: list[Event] = []
         if self._block is None:
             self._outside += delta
@@ -183,19 +206,8 @@ class StreamingToolCallParser:
             self._emit(TOOL_CALL_START + self._block, events)
             self._block = None
         self._emit(self._outside, events)
-        self._outside = ""
-        self._held_ws = ""  # trailing whitespace of the message is stripped
+        self._outside = ""  # trailing whitespace of the message is stripped: never sent
         return events
 
     def _emit(self, text: str, events: list[Event]) -> None:
-        """Stream ``text`` as content, holding back whitespace that may end the message."""
-        if not text:
-            return
-        text = self._held_ws + text
-        body = text.rstrip()
-        self._held_ws = text[len(body):]
-        if not self._started:
-            body = body.lstrip()
-        if body:
-            self._started = True
-            events.append(ContentDelta(body))
+        events += self._content.feed(text)

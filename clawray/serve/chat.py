@@ -480,7 +480,7 @@ class _ChoiceStream:
         if self.parser is None:
             self.content += text
             return [TextDelta(self.index, text)] if text else []
-        events = self.parser.feed(text) if text else []
+        events = self.parser.feed(text, self.ids) if text else []
         if final:
             events += self.parser.finish()
         out: list[TextDelta | ToolCallDelta] = []

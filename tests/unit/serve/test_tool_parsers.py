@@ -34,11 +34,17 @@ def calls_of(parsed):
     return content, [(c.name, json.loads(c.arguments)) for c in calls]
 
 
-def streamed(fmt, text, step=3):
-    parser, events = fmt.stream(TOOLS), []
+def stream_events(fmt, text, step=3, tokenizer=None):
+    """Each feed's events, then the finish's (the last list)."""
+    parser, out = fmt.stream(TOOLS), []
     for i in range(0, len(text), step):
-        events += parser.feed(text[i:i + step])
-    events += parser.finish()
+        ids = tokenizer.encode(text[:i + step], add_special_tokens=False) if tokenizer else ()
+        out.append(parser.feed(text[i:i + step], ids))
+    return out + [parser.finish()]
+
+
+def streamed(fmt, text, step=3, tokenizer=None):
+    events = [e for batch in stream_events(fmt, text, step, tokenizer) for e in batch]
     content = "".join(e.text for e in events if hasattr(e, "text")) or None
     return content, [(e.call.name, json.loads(e.call.arguments)) for e in events
                      if hasattr(e, "call")]
@@ -50,6 +56,43 @@ def test_vllms_hermes_parser_reads_what_clawrays_reads(tiny_tokenizer, text):
     assert calls_of(hermes.parse(text, TOOLS)) == calls_of(parse_tool_calls(text))
     assert streamed(hermes, text) == calls_of(parse_tool_calls(text)) == streamed(
         CLAWRAY_FORMAT, text)
+
+
+def test_vllms_streaming_reader_streams_content_and_calls_before_the_reply_ends(tiny_tokenizer):
+    hermes = make_tool_format("hermes", tiny_tokenizer)
+    # plain text to a request with tools streams as it comes, not at the end
+    text = "No tool is needed: it is sunny and warm all day in Paris."
+    batches = stream_events(hermes, text, tokenizer=tiny_tokenizer)
+    early = "".join(e.text for b in batches[:-1] for e in b)
+    assert len(early) >= len(text) - 3 and text.startswith(early), batches
+    # two calls: the first goes out once the reader has moved on to the second
+    batches = stream_events(hermes, HERMES[1], tokenizer=tiny_tokenizer)
+    first = next(i for i, b in enumerate(batches) if any(hasattr(e, "call") for e in b))
+    assert first < len(batches) - 1, batches
+    assert [e.call.name for b in batches for e in b if hasattr(e, "call")] == ["get_weather"] * 2
+    # content before a call streams before the call closes
+    batches = stream_events(hermes, HERMES[0], tokenizer=tiny_tokenizer)
+    assert "".join(e.text for e in batches[0] + batches[1] + batches[2]
+                   if hasattr(e, "text")).startswith("Let me")
+    # the whole and the streamed reply say the same, content after a call included
+    text = HERMES[0] + "\nDone."
+    assert streamed(hermes, text, tokenizer=tiny_tokenizer) == calls_of(hermes.parse(text, TOOLS))
+
+
+def test_a_streaming_reader_that_fails_leaves_the_reply_to_the_whole_parse(tiny_tokenizer,
+                                                                           caplog):
+    hermes = make_tool_format("hermes", tiny_tokenizer)
+    parser = hermes.stream(TOOLS)
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    parser.parser.extract_tool_calls_streaming = broken
+    assert parser.feed(HERMES[0][:20], ()) == []
+    events = parser.feed(HERMES[0][20:], ()) + parser.finish()
+    assert [e.text for e in events if hasattr(e, "text")] == ["Let me check."]
+    assert [e.call.name for e in events if hasattr(e, "call")] == ["get_weather"]
+    assert "failed mid-stream" in caplog.text
 
 
 def test_a_pythonic_model_s_calls_become_openai_calls(tiny_tokenizer):

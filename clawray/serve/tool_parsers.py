@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from collections.abc import Sequence
 
-from clawray.models.tool_calls import (ContentDelta, ContentStream, Event, ParsedToolCall,
+from clawray.models.tool_calls import (ContentStream, Event, ParsedToolCall,
                                        StreamingToolCallParser, ToolCallEvent, new_call_id,
                                        parse_tool_calls)
 

@@ -14,7 +14,12 @@ tokens, streamed, in closed loops at c = 1 and 8:
 - ``raw``: ``engine._llm.generate`` with the settings ``vllm serve`` would pass (DELTA outputs,
   no log-probs);
 - ``raw-logprobs``: the same with the sampled token's log-prob at every position
-  (``logprobs=0``, no detokenization), which clawray asks for to record each turn.
+  (``logprobs=0``, no detokenization), which clawray asks for to record each turn;
+- ``ingress`` (``--ingress``): clawray's whole serving code on that engine, in this process:
+  ``IngressCore.chat_completions`` on the request body built in memory (parsing, the chat
+  template, tokenization, detokenization, tool-call parsing, SSE, the record), no HTTP and no
+  Ray. Between it and clawray over Ray Serve (``engines.py``) lie Serve's replica and Ray's
+  processes.
 
 The two alternate within each round (the order reversed every other round): one paired ratio
 per round and level. Writes ``bench/results/engine_wrapper.json``. Where clawray over Serve
@@ -71,6 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import engines
 
     path, ids, engine = engines.inproc_engine(args.model, args.max_tokens)
+    ingress = ingress_sender(path, engine, args.max_tokens) if args.ingress else None
     ours = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     theirs = VLLMSamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                 output_kind=RequestOutputKind.DELTA)
@@ -97,8 +103,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 n += len(c.token_ids)
         return time.perf_counter() - t0, ttft or 0.0, n
 
+    async def ingress_one() -> tuple[float, float, int]:
+        t0 = time.perf_counter()
+        ttft, n = await ingress()
+        return time.perf_counter() - t0, ttft - t0, n
+
     setups = {"clawray": clawray_one, "raw": lambda: raw(theirs),
               "raw-logprobs": lambda: raw(theirs_lp)}
+    if ingress is not None:
+        setups["ingress"] = ingress_one
     levels = [int(c) for c in args.concurrency.split(",")]
 
     async def measure() -> list[dict[str, Any]]:
@@ -121,7 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summary = []
     for c in levels:
         by = {(x["round"], x["setup"]): x for x in cells if x["concurrency"] == c}
-        for name in ("clawray", "raw-logprobs"):
+        for name in [n for n in setups if n != "raw"]:
             ratios = [by[(r, name)]["req_per_s"] / by[(r, "raw")]["req_per_s"]
                       for r in range(args.rounds)]
             summary.append({"setup": name, "baseline": "raw", "concurrency": c,
@@ -137,6 +150,50 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cells": cells, "summary": summary}
 
 
+def ingress_sender(path: str, engine: Any, max_tokens: int
+                   ) -> Callable[[], Awaitable[tuple[float, int]]]:
+    """One streamed agent turn through clawray's ``IngressCore`` on ``engine``, in this
+    process: ``() -> (time of the first content chunk, chunks)``."""
+    import tempfile
+
+    from _inproc import asgi_request
+
+    from clawray.config import ClawRayConfig
+    from clawray.serve.ingress import IngressCore
+
+    import engines
+
+    cfg = ClawRayConfig.from_dict({
+        "model": {"path": path, "served_name": engines.SERVED_NAME, "device": "cpu",
+                  "max_model_len": engines.VLLM_ARGS["max_model_len"]},
+        "serving": {"record_sink": ["jsonl"], "max_tokens_limit": 4096,
+                    "records_path": str(Path(tempfile.mkdtemp()) / "turns.jsonl")}})
+    from unittest import mock
+
+    from clawray.models.loader import policy_model_info
+
+    # the replica's core, on this process's engine rather than a second one
+    with mock.patch("clawray.serve.policy_server.load_policy_engine",
+                    return_value=(engine, policy_model_info(cfg))):
+        core = IngressCore(cfg)
+    body = json.dumps({**engines.agent_turn(engines.SERVED_NAME, max_tokens, stream=True),
+                       "temperature": 0}).encode()
+
+    async def send() -> tuple[float, int]:
+        response = await core.chat_completions(asgi_request(body))
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {bytes(response.body)[:300]!r}")
+        first, n = None, 0
+        async for chunk in response.body_iterator:
+            n += 1
+            if first is None and b'"content"' in (chunk if isinstance(chunk, bytes)
+                                                 else chunk.encode()):
+                first = time.perf_counter()
+        return first or time.perf_counter(), n
+
+    return send
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="bundled:smollm2")
@@ -144,6 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=12, help="requests per stream per level")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--ingress", action="store_true",
+                   help="also clawray's whole serving code in this process (IngressCore)")
     p.add_argument("--out", default=str(BENCH / "results" / "engine_wrapper.json"))
     args = p.parse_args(argv)
     report = run(args)

@@ -62,8 +62,10 @@ MAX_SEQS = 32
 SESSION = ["session_s1_t1", "session_s1_t2", "session_s1_t3_req1", "session_s1_t3_req2"]
 SETUPS = ["clawray-hf", "clawray-vllm", "vllm-serve", "ray-serve-llm"]
 # Also available (not in the default run): clawray-vllm-tput, clawray over vLLM with Ray
-# Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (user code on the replica's main event loop).
-EXTRA_SETUPS = ["clawray-vllm-tput"]
+# Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (user code on the replica's main event loop), and
+# clawray-vllm-rayctl, with Serve's controller looping at Ray's default 0.1 s instead of
+# clawray's 1 s (serving.control_loop_interval_s).
+EXTRA_SETUPS = ["clawray-vllm-tput", "clawray-vllm-rayctl"]
 # Ray gives an actor OMP_NUM_THREADS = its CPUs: the Ray setups reserve the whole machine for
 # the engine's replica, as the stand-alone `vllm serve` has it.
 REPLICA_CPUS = os.cpu_count() or 2
@@ -129,10 +131,14 @@ def inproc_engine(model: str, max_tokens: int, **settings: Any) -> tuple[str, li
 def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
     """Start one setup; return its processes and the base URL of its OpenAI API."""
     if name.startswith("clawray-"):
-        engine = name.removeprefix("clawray-").removesuffix("-tput")
-        env = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
-        if name.endswith("-tput"):
-            env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
+        from clawray.apps.launch import serve_env
+        from clawray.config import ServingConfig
+
+        engine = name.removeprefix("clawray-").removesuffix("-tput").removesuffix("-rayctl")
+        # the Ray environment `clawray serve` starts with, for these settings
+        env = serve_env(ServingConfig(
+            direct_ingress=True, throughput_optimized=name.endswith("-tput"),
+            control_loop_interval_s=None if name.endswith("-rayctl") else 1.0))
         gpu = "gpu_memory_utilization" in VLLM_ARGS
         config = {"model": {"path": model, "served_name": SERVED_NAME,
                             "device": "cuda" if gpu else "cpu",
@@ -295,6 +301,31 @@ def cpu_top(before: dict, after: dict, seconds: float, n: int = 6) -> list[dict[
             for u, name in sorted(used, reverse=True)[:n] if u > 0]
 
 
+CPU_GROUPS = [  # (group, what a process's command line starts with or contains)
+    ("engine", ("VLLM::",)),
+    ("server", ("ray::ServeReplica", "vllm.entrypoints.openai.api_server")),
+    ("ray", ("ray::", "gcs_server", "raylet", "dashboard", "log_monitor", "_ray_server.py",
+             "_serve_llm_server.py")),
+    ("client", ("bench/engines.py",)),
+]
+
+
+def cpu_groups(before: dict, after: dict, seconds: float) -> dict[str, float]:
+    """Percent of one core by kind of process over a level: vLLM's engine processes, the
+    server in front of them (clawray's replica, ``vllm serve``'s API server, Ray Serve LLM's
+    replicas), Ray's own processes (GCS, raylet, Serve's controller and proxy, clawray's side
+    actors), this load generator, and the rest of the machine. On a 2-core machine the engine
+    gets what the others leave."""
+    out = {g: 0.0 for g, _ in CPU_GROUPS} | {"other": 0.0}
+    for pid, (name, t) in after.items():
+        used = t - before.get(pid, (None, 0.0))[1]
+        if used <= 0:
+            continue
+        group = next((g for g, keys in CPU_GROUPS if any(k in name for k in keys)), "other")
+        out[group] += used
+    return {g: round(100 * v / seconds, 1) for g, v in out.items()}
+
+
 def pct(xs: list[float], q: int) -> float:
     if not xs:
         return float("nan")
@@ -440,7 +471,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 cell = asyncio.run(closed_loop(url, body, c, warmup=4 + c, requests=n,
                                                max_s=args.max_level_s))
-                cell["cpu_top"] = cpu_top(before, cpu_snapshot(), time.perf_counter() - t0)
+                after, dt = cpu_snapshot(), time.perf_counter() - t0
+                cell.update(cpu_top=cpu_top(before, after, dt),
+                            cpu_groups=cpu_groups(before, after, dt))
                 res["agent"].append(cell)
                 print(f"[{name}] c={c}: {cell['req_per_s']:.1f} req/s, p50 "
                       f"{cell['p50_ms']:.0f} ms, TTFT p50 {cell['ttft_p50_ms']:.0f} ms, "
@@ -486,8 +519,9 @@ def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
                     cell = asyncio.run(closed_loop(running[name][1], body, c, warmup=4 + c,
                                                    requests=max(args.requests, 10 * c),
                                                    max_s=args.max_level_s))
-                    cell.update(round=r, setup=name,
-                                cpu_top=cpu_top(before, cpu_snapshot(), time.perf_counter() - t0))
+                    after, dt = cpu_snapshot(), time.perf_counter() - t0
+                    cell.update(round=r, setup=name, cpu_top=cpu_top(before, after, dt),
+                                cpu_groups=cpu_groups(before, after, dt))
                     cells.append(cell)
                     print(f"[round {r}] {name} c={c}: {cell['req_per_s']:.1f} req/s, TTFT p50 "
                           f"{cell['ttft_p50_ms']:.1f} ms, {cell['errors']} errors", flush=True)

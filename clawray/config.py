@@ -159,6 +159,17 @@ class ServingConfig(_Section):
             "the embedded model or on SmolLM2 over vLLM (bench/README.md)."
         ),
     )
+    control_loop_interval_s: float | None = Field(
+        1.0, gt=0,
+        description=(
+            "`clawray serve`/`demo` start Ray with RAY_SERVE_CONTROL_LOOP_INTERVAL_S set to "
+            "this: how often Serve's controller reconciles (Ray's default 0.1 s). 1 s leaves "
+            "the engine more of a small machine (SmolLM2 on 2 cores at c=32: 1.10x the "
+            "requests/s of 0.1 s, bench/README.md) and delays a replica's replacement by at "
+            "most 1 s. None: Ray's default. A cluster started elsewhere (`ray start`) reads "
+            "it from its own environment (docs/deploy.md)."
+        ),
+    )
     ingress_replicas: int = Field(1, ge=1)
     policy_replicas: int = Field(1, ge=1)
     session_affinity: bool = Field(

@@ -51,6 +51,8 @@ def serve_env(s: Any) -> dict[str, str]:
         env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
     if s.throughput_optimized:
         env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
+    if s.control_loop_interval_s is not None:
+        env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] = f"{s.control_loop_interval_s:g}"
     return env
 
 

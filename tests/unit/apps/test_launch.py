@@ -60,7 +60,11 @@ def test_serving_settings_name_the_ray_serve_environment():
     def env(**serving):
         return serve_env(ClawRayConfig().copy_with(serving=serving).serving_cfg)
 
-    assert env() == {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}  # the defaults
-    assert env(direct_ingress=False) == {}
+    loop = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1"}
+    assert env() == {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", **loop}  # the defaults
+    assert env(direct_ingress=False) == loop
+    assert env(direct_ingress=False, control_loop_interval_s=None) == {}
+    assert env(direct_ingress=False, control_loop_interval_s=0.5) == {
+        "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
     assert env(direct_ingress=False, throughput_optimized=True) == {
-        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", **loop}

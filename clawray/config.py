@@ -164,8 +164,8 @@ class ServingConfig(_Section):
         description=(
             "`clawray serve`/`demo` start Ray with RAY_SERVE_CONTROL_LOOP_INTERVAL_S set to "
             "this: how often Serve's controller reconciles (Ray's default 0.1 s). 1 s leaves "
-            "the engine more of a small machine (SmolLM2 on 2 cores at c=32: 1.10x the "
-            "requests/s of 0.1 s, bench/README.md) and delays a replica's replacement by at "
+            "the engine more of a small machine (SmolLM2 on 2 cores at c=32: 1.03x and 1.10x the "
+            "requests/s of 0.1 s in two runs, bench/README.md) and delays a replica's replacement by at "
             "most 1 s. None: Ray's default. A cluster started elsewhere (`ray start`) reads "
             "it from its own environment (docs/deploy.md)."
         ),

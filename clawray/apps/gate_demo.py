@@ -19,7 +19,8 @@ gate, the candidate pending at the end is set aside first, so "after" is what se
 everyone). Reported per run: before/after, live satisfaction by serving version, user turns
 served by versions the gate abandoned, and the time from each abandoned version's publication
 to its rejection or rollback. Writes ``gate.json`` and ``gate.png`` into ``--out``, and each
-run's figures to the ledger (``clawray.ledger``: experiment ``gate-demo``, arm
+run's figures to the ledger (``clawray.ledger``: experiment ``gate-demo``, or
+``gate-demo-<model>`` on a real model; arm
 ``<scenario>/<nogate|gate-restart|gate-keep_line>``; ``ledger_lines``).
 """
 
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from clawray import ledger
-from clawray.apps.demo import UserPool, demo_config
+from clawray.apps.demo import UserPool, demo_config, is_real_model, run_defaults
 from clawray.config import ClawRayConfig
 from clawray.sim.preferences import BriefReplies, DetailedReplies
 from clawray.sim.users import evaluate
@@ -64,14 +65,18 @@ def gate_demo_config(cfg: ClawRayConfig, out: Path, seed: int, scenario: str, ga
                      keys: list[str], on_reject: str = ON_REJECT) -> ClawRayConfig:
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}: one of {SCENARIOS}")
-    return demo_config(cfg, out, seed).copy_with(
+    # the embedded model's LoRA settings; a real model keeps the live demo's (REAL_MODEL)
+    lora = ({} if is_real_model(cfg)
+            else {"inference": {"max_lora_rank": LORA["lora_rank"]},
+                  "training": {**LORA, "loss": {"kl_coef": KL}}})
+    return demo_config(cfg, out, seed).copy_with(**lora).copy_with(
         serving={"api_keys": keys},
-        inference={"max_loras": 4, "max_lora_rank": LORA["lora_rank"]},
+        inference={"max_loras": 4},
         # rows carry the version of the adapter that sampled them (the incumbent may be far
         # behind the trainer's newest): no staleness limit, in both arms alike
         buffer={"max_staleness": None, "lease_s": 120.0},
         judge={"backend": "function", "function": JUDGES[scenario]},
-        training={**LORA, "loss": {"kl_coef": KL}, "zero_stage": 0},
+        training={"zero_stage": 0},
         gate={**GATE, "enabled": gated, "dir": str(out / "gate"), "on_reject": on_reject,
               "shadow_kwargs": {**GATE["shadow_kwargs"],
                                 "preference": USERS_WANT[scenario].name}})
@@ -92,6 +97,8 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, scenario: str, gated: 
     keys = [f"sk-demo-{seed}-{secrets.token_urlsafe(16)}" for _ in range(USERS)]
     cfg = gate_demo_config(cfg, out, seed, scenario, gated, keys, on_reject)
     pref = USERS_WANT[scenario](phrasing="keywords")  # the heuristic judge reads its keywords
+    # the model's sampling: the embedded model's, or a real model's (shorter replies, cooler)
+    sampling = {k: run_defaults(cfg)[k] for k in ("temperature", "max_tokens")}
     started = time.monotonic()
     name = f"{scenario}, " + (f"gate ({on_reject})" if gated else "no gate")
     try:
@@ -101,7 +108,7 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, scenario: str, gated: 
         def held_out() -> float:
             r = asyncio.run(evaluate(base_url, keys[0], model, n=eval_n, seed=seed,
                                      preference=pref, pool=eval_pool,
-                                     type_weights=TYPE_WEIGHTS))
+                                     type_weights=TYPE_WEIGHTS, **sampling))
             return r.rate
 
         log(f"clawray demo --gate: seed {seed}, {name}: serving at {base_url} "
@@ -111,7 +118,7 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, scenario: str, gated: 
         trainer = Trainer(config=cfg.to_dict())
         gate = get_policy_gate(cfg.training_cfg.app) if gated else None
         pool = UserPool(base_url, model, [(k, pref) for k in keys], seed,
-                        out / "interactions.jsonl", TYPE_WEIGHTS).start()
+                        out / "interactions.jsonl", TYPE_WEIGHTS, **sampling).start()
         trained, steps, curve = 0, 0, []
         try:
             while trained < budget and steps < 4 * budget // 32:
@@ -141,12 +148,15 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, scenario: str, gated: 
         events = ray.get(gate.events.remote(200)) if gate is not None else []
     finally:
         ray.shutdown()
-    summary = {"seed": seed, "scenario": scenario, "gated": gated,
+    summary = {"seed": seed, "scenario": scenario, "gated": gated, "model": model,
+               "real_model": is_real_model(cfg),
                "on_reject": on_reject if gated else None, "budget": budget,
                "eval_pool": eval_pool, "eval_n": eval_n,
                "rows_trained": trained, "steps": steps, "before": before, "after": after,
                "curve": curve, "events": events, **turns_by_version(pool, events),
-               "judge": JUDGES[scenario], "gate": GATE if gated else None, **LORA, "kl": KL,
+               "judge": JUDGES[scenario], "gate": GATE if gated else None,
+               "lora_rank": cfg.training_cfg.lora_rank, "lr": cfg.training_cfg.lr,
+               "kl": cfg.training_cfg.loss.kl_coef,
                "seconds": round(time.monotonic() - started, 1)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     ledger.record_lines(ledger_lines(summary))
@@ -154,12 +164,14 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, scenario: str, gated: 
 
 
 def ledger_lines(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """One run's lines for the ledger (experiment ``gate-demo``, arm
+    """One run's lines for the ledger (experiment ``gate-demo``, ``gate-demo-<model>`` on a
+    real model; arm
     ``<scenario>/<arm_name>``): the users' satisfaction before, after and the change on the
     held-out pool; with a gate its decisions in numbers, measured on the live turns (pool
     ``train``, the users' request pool): the versions it promoted and abandoned, and the share
     of live turns that abandoned versions served."""
-    fields = {"experiment": "gate-demo", "seed": summary["seed"],
+    experiment = "gate-demo" + (f"-{summary['model']}" if summary.get("real_model") else "")
+    fields = {"experiment": experiment, "seed": summary["seed"],
               "arm": f"{summary['scenario']}/"
                      f"{arm_name(summary['gated'], summary.get('on_reject') or ON_REJECT)}",
               "budget": summary["budget"], "rows_trained": summary["rows_trained"]}

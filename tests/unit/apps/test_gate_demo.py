@@ -158,3 +158,6 @@ def test_each_run_goes_to_the_ledger_with_the_gates_decisions_as_numbers(tmp_pat
         ("poisoned/gate-restart", "train", "abandoned_turn_share"): (0.25, 200)}
     assert {x["experiment"] for x in ledger.read(path)} == {"gate-demo"}
     assert all(x["seed"] == 2 and x["rows_trained"] == 768 for x in ledger.read(path))
+    # a real model's runs are an experiment of their own, named by the model
+    real = ledger_lines({**run(True), "model": "smollm2-135m-instruct", "real_model": True})
+    assert {x["experiment"] for x in real} == {"gate-demo-smollm2-135m-instruct"}

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import engines
 
     path, ids, engine = engines.inproc_engine(args.model, args.max_tokens, enable_lora=True,
-                                              max_lora_rank=RANK)
+                                              max_lora_rank=RANK, max_loras=args.max_loras)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     payloads = [adapter_payload(model, seed) for seed in range(2)]
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warm: list[dict[str, float]] = []
         await asyncio.gather(*(one(warm) for _ in range(args.concurrency)))
         await engine.load_lora(payloads[0], 0)  # steady serves through an adapter as well
-        phases = [await phase(name) for name in ("steady", "lora", "full")]
+        phases = [await phase(name) for name in ["steady", *args.phases.split(",")]]
         await engine.shutdown()
         return phases
 
@@ -150,7 +150,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"command": " ".join([Path(sys.executable).name, *sys.argv]),
             "machine": machine_info(), "model": path, "prompt_tokens": len(ids),
             "settings": {k: getattr(args, k) for k in ("concurrency", "phase_s", "lora_every_s",
-                                                        "full_every_s", "max_tokens")},
+                                                        "full_every_s", "max_tokens",
+                                                        "max_loras")},
             "phases": phases}
 
 
@@ -162,6 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lora-every-s", type=float, default=3.0)
     p.add_argument("--full-every-s", type=float, default=8.0)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-loras", type=int, default=2,
+                   help="adapters vLLM batches at once (clawray's vLLM default: 2)")
+    p.add_argument("--phases", default="lora,full", help="after steady: lora, full or both")
     p.add_argument("--out", default=str(BENCH / "results" / "sync_under_load.json"))
     args = p.parse_args(argv)
     report = run(args)

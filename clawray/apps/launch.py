@@ -43,6 +43,9 @@ def init_local_ray(attempts: int = 3, **kwargs: Any) -> None:
             ray.shutdown()
 
 
+CONTROL_LOOP = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
+
+
 def serve_env(s: Any) -> dict[str, str]:
     """The Ray Serve environment variables ``serving`` settings ``s`` ask for (read by Ray's
     processes when they start, so set before ``ray.init``); a variable the user set wins."""
@@ -52,7 +55,7 @@ def serve_env(s: Any) -> dict[str, str]:
     if s.throughput_optimized:
         env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
     if s.control_loop_interval_s is not None:
-        env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] = f"{s.control_loop_interval_s:g}"
+        env[CONTROL_LOOP] = f"{s.control_loop_interval_s:g}"
     return env
 
 
@@ -63,9 +66,15 @@ def start_serving(cfg: ClawRayConfig, *, blocking: bool) -> str:
         # Direct ingress: the ingress replica also serves HTTP on its own port (30000 and up),
         # skipping the Serve proxy hop that costs about half the throughput on a small machine
         # (bench/README.md). Ray reads it when its processes start, so it is set before init.
+        added = [k for k in serve_env(s) if k not in os.environ]
         for key, value in serve_env(s).items():
             os.environ.setdefault(key, value)
         ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+        # Only Serve's controller reads the control loop's interval, and it inherits the
+        # raylet's environment: it does not stay in this process's (nor reach the clusters
+        # this process starts later, e.g. a test run's).
+        if CONTROL_LOOP in added:
+            os.environ.pop(CONTROL_LOOP, None)
     serve.start(
         http_options={"host": s.host, "port": s.port},
         logging_config={"log_level": "WARNING", "enable_access_log": False},

@@ -68,3 +68,45 @@ def test_serving_settings_name_the_ray_serve_environment():
         "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
     assert env(direct_ingress=False, throughput_optimized=True) == {
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", **loop}
+
+
+def test_the_control_loop_reaches_rays_processes_and_leaves_the_environment(monkeypatch):
+    """Ray's processes (and through the raylet, Serve's controller) take the environment of
+    ``ray.init``; afterwards the interval is not left in this process's environment, where
+    clusters this process starts later would take it too. Direct ingress stays (the driver
+    reads it)."""
+    import os
+
+    from clawray.config import ClawRayConfig
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    class Ray:
+        def is_initialized(self):
+            return False
+
+        def init(self, **kwargs):
+            seen.update({k: os.environ.get(k) for k in (launch.CONTROL_LOOP,
+                                                        "RAY_SERVE_ENABLE_DIRECT_INGRESS")})
+
+    class Serve:
+        def start(self, **kwargs):
+            raise Stop
+
+    monkeypatch.delenv(launch.CONTROL_LOOP, raising=False)
+    monkeypatch.delenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", raising=False)
+    monkeypatch.setattr(launch, "ray", Ray())
+    monkeypatch.setattr(launch, "serve", Serve())
+    with pytest.raises(Stop):
+        launch.start_serving(ClawRayConfig(), blocking=False)
+    assert seen == {launch.CONTROL_LOOP: "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
+    assert launch.CONTROL_LOOP not in os.environ
+    assert os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    # a value the user set is theirs: used, and left in place
+    monkeypatch.setenv(launch.CONTROL_LOOP, "0.5")
+    with pytest.raises(Stop):
+        launch.start_serving(ClawRayConfig(), blocking=False)
+    assert seen[launch.CONTROL_LOOP] == "0.5" and os.environ[launch.CONTROL_LOOP] == "0.5"

@@ -155,10 +155,12 @@ def ingress_sender(path: str, engine: Any, max_tokens: int
     """One streamed agent turn through clawray's ``IngressCore`` on ``engine``, in this
     process: ``() -> (time of the first content chunk, chunks)``."""
     import tempfile
+    from unittest import mock
 
     from _inproc import asgi_request
 
     from clawray.config import ClawRayConfig
+    from clawray.models.loader import policy_model_info
     from clawray.serve.ingress import IngressCore
 
     import engines
@@ -168,10 +170,6 @@ def ingress_sender(path: str, engine: Any, max_tokens: int
                   "max_model_len": engines.VLLM_ARGS["max_model_len"]},
         "serving": {"record_sink": ["jsonl"], "max_tokens_limit": 4096,
                     "records_path": str(Path(tempfile.mkdtemp()) / "turns.jsonl")}})
-    from unittest import mock
-
-    from clawray.models.loader import policy_model_info
-
     # the replica's core, on this process's engine rather than a second one
     with mock.patch("clawray.serve.policy_server.load_policy_engine",
                     return_value=(engine, policy_model_info(cfg))):

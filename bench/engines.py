@@ -326,6 +326,13 @@ def cpu_groups(before: dict, after: dict, seconds: float) -> dict[str, float]:
     return {g: round(100 * v / seconds, 1) for g, v in out.items()}
 
 
+def cpu_since(before: dict, t0: float) -> dict[str, Any]:
+    """A level's ``cpu_top`` and ``cpu_groups``, from the snapshot taken at ``t0``."""
+    after, seconds = cpu_snapshot(), time.perf_counter() - t0
+    return {"cpu_top": cpu_top(before, after, seconds),
+            "cpu_groups": cpu_groups(before, after, seconds)}
+
+
 def pct(xs: list[float], q: int) -> float:
     if not xs:
         return float("nan")
@@ -471,9 +478,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 cell = asyncio.run(closed_loop(url, body, c, warmup=4 + c, requests=n,
                                                max_s=args.max_level_s))
-                after, dt = cpu_snapshot(), time.perf_counter() - t0
-                cell.update(cpu_top=cpu_top(before, after, dt),
-                            cpu_groups=cpu_groups(before, after, dt))
+                cell.update(cpu_since(before, t0))
                 res["agent"].append(cell)
                 print(f"[{name}] c={c}: {cell['req_per_s']:.1f} req/s, p50 "
                       f"{cell['p50_ms']:.0f} ms, TTFT p50 {cell['ttft_p50_ms']:.0f} ms, "
@@ -519,9 +524,7 @@ def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
                     cell = asyncio.run(closed_loop(running[name][1], body, c, warmup=4 + c,
                                                    requests=max(args.requests, 10 * c),
                                                    max_s=args.max_level_s))
-                    after, dt = cpu_snapshot(), time.perf_counter() - t0
-                    cell.update(round=r, setup=name, cpu_top=cpu_top(before, after, dt),
-                                cpu_groups=cpu_groups(before, after, dt))
+                    cell.update(round=r, setup=name, **cpu_since(before, t0))
                     cells.append(cell)
                     print(f"[round {r}] {name} c={c}: {cell['req_per_s']:.1f} req/s, TTFT p50 "
                           f"{cell['ttft_p50_ms']:.1f} ms, {cell['errors']} errors", flush=True)

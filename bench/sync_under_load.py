@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--phases", default="lora,full", help="after steady: lora, full or both")
     p.add_argument("--out", default=str(BENCH / "results" / "sync_under_load.json"))
     args = p.parse_args(argv)
+    if unknown := set(args.phases.split(",")) - {"lora", "full"}:
+        p.error(f"--phases: unknown {', '.join(sorted(unknown))} (lora, full)")
     report = run(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

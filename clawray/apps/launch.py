@@ -66,8 +66,9 @@ def start_serving(cfg: ClawRayConfig, *, blocking: bool) -> str:
         # Direct ingress: the ingress replica also serves HTTP on its own port (30000 and up),
         # skipping the Serve proxy hop that costs about half the throughput on a small machine
         # (bench/README.md). Ray reads it when its processes start, so it is set before init.
-        added = [k for k in serve_env(s) if k not in os.environ]
-        for key, value in serve_env(s).items():
+        env = serve_env(s)
+        added = [k for k in env if k not in os.environ]
+        for key, value in env.items():
             os.environ.setdefault(key, value)
         ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
         # Only Serve's controller reads the control loop's interval, and it inherits the

@@ -4,7 +4,8 @@
 - ``node_kill``: a node joins; a clawray app whose replica is pinned to it
   (``serving.replica_resources``) serves a turn with vLLM; the node is then killed abruptly
   (SIGKILL to the replica's worker and, ``remove_node(allow_graceful=False)``, its raylet). The
-  pids of the replica, its ``VLLM::`` engine processes and their watchdog
+  pids of the replica, its engine processes (``VLLM::EngineCore`` and the helpers it started)
+  and their watchdog
   (clawray/inference/watchdog.py), and which of them still run 120 s later at most. Before the
   watchdog, the engine processes stayed alive under init, ~3 GB a pair, for as long as the
   machine ran.
@@ -204,8 +205,11 @@ def check_node_kill(cluster, tmp: str) -> dict:
         replica = doomed[0].pid if len(doomed) == 1 else None
         seen += [a.pid for a in doomed if a.pid not in seen]
         titles = {p.pid: title(p) for p in _family(replica)} if replica else {}
-        engines = [pid for pid, t in titles.items() if "VLLM::" in t]
+        # The engine's processes are what the replica started besides the watchdog, found by
+        # parentage and by the watchdog's own list, not by title: vLLM names them VLLM::…
+        # with setproctitle, and one CI run saw them answer under their spawn command line.
         watchdogs = [pid for pid, t in titles.items() if "clawray.inference.watchdog" in t]
+        engines = [pid for pid in titles if pid not in watchdogs]
         if (engines and watchdogs) or time.monotonic() > deadline:
             break
         time.sleep(1.0)
@@ -230,9 +234,7 @@ def check_node_kill(cluster, tmp: str) -> dict:
     return {"check": "node_kill", "answered": reply.choices[0].message is not None,
             "replicas_on_node": len(doomed), "replica": replica, "replicas_seen": seen,
             "engines": engines, "watchdogs": watchdogs, "left": left,
-            "seconds_to_clean": round(time.monotonic() - started, 1),
-            # what the replica had started, when it was not an engine and its watchdog
-            **({} if engines and watchdogs else {"tree": titles})}
+            "seconds_to_clean": round(time.monotonic() - started, 1), "tree": titles}
 
 
 def main() -> None:

@@ -100,7 +100,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return run_gate_demo(cfg, Path(args.out), args.seeds or [args.seed],
                              scenarios=tuple(args.scenarios),
                              arms=tuple(a == "gate" for a in args.arms),
-                             on_reject=args.on_reject, eval_pool=args.eval_pool, **extra)
+                             on_reject=args.on_reject, eval_pool=args.eval_pool,
+                             shadow_score=args.shadow_score, **extra)
     if args.per_user:
         from clawray.apps.per_user_demo import run_per_user_demo
 
@@ -676,6 +677,11 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--on-reject", default="restart", choices=["restart", "keep_line"],
                            help="--gate: a rejected candidate abandons its line (restart) or "
                                 "the trainer's line goes on (keep_line)")
+            p.add_argument("--shadow-score", default="feedback",
+                           choices=["feedback", "preference"],
+                           help="--gate: score shadow replies with a scorer fitted on the "
+                                "users' held-out explicit ratings (what an operator has), or "
+                                "with their hidden preference (an oracle)")
             p.add_argument("--modes", nargs="+", default=["shared", "per_user"],
                            choices=["shared", "per_user"], help="--per-user: which to run")
             p.add_argument("--budget", type=int, help="--per-user, --gate: rows trained per run")

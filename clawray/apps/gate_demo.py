@@ -8,11 +8,20 @@ trains on their turns. Each run is on a fresh cluster, with and without ``gate.e
   the judge is ``clawray.judging.rules:brevity_judge``, which rewards replies of at most 8
   words whatever the user said: training pushes the policy toward what these users dislike
   (short answers to questions, which the embedded model learns fast). Without the gate every
-  new version serves everyone; with it, each version is shadow-evaluated on the users'
-  held-out ``validation`` pool (their satisfaction, and the health checks) before any user
-  sees it.
+  new version serves everyone; with it, each version is shadow-evaluated on held-out
+  ``validation`` prompts (and the health checks) before any user sees it.
 - ``healthy``: users who want brief replies (``BriefReplies``), the heuristic judge reading
   their reactions (the live demo's default): what does the gate cost in improvement?
+
+How the shadow evaluation scores a reply (``shadow_score``):
+
+- ``feedback`` (the default; the arm name ends ``-feedback``): with something an operator has. Before training, the users rate
+  the base model's replies to ``FEEDBACK_N`` validation prompts up or down (explicit feedback,
+  kept out of training: ``feedback.jsonl``); a reply scorer fitted on those ratings
+  (``clawray.gate.feedback``, its cross-validated balanced accuracy in the summary) scores the
+  candidate's and the incumbent's replies to those prompts;
+- ``preference``: with the users' hidden preference itself (an oracle no operator has; how
+  the runs before 2026-12-06 scored).
 
 Before and after, the users' satisfaction is measured on the held-out ``test`` pool (with a
 gate, the candidate pending at the end is set aside first, so "after" is what serves
@@ -21,7 +30,7 @@ served by versions the gate abandoned, and the time from each abandoned version'
 to its rejection or rollback. Writes ``gate.json`` and ``gate.png`` into ``--out``, and each
 run's figures to the ledger (``clawray.ledger``: experiment ``gate-demo``, or
 ``gate-demo-<model>`` on a real model; arm
-``<scenario>/<nogate|gate-restart|gate-keep_line>``; ``ledger_lines``).
+``<scenario>/<nogate|gate-restart|gate-keep_line>[-feedback]``; ``ledger_lines``).
 """
 
 from __future__ import annotations
@@ -56,15 +65,28 @@ ON_REJECT = "restart"
 # The canary's test needs turns: judge rewards in {-1, 0, 1} spread ~0.9, so 30 turns a side
 # per look and half the sessions (a first run with 12 turns and a quarter of the sessions
 # promoted nothing in 768 rows: its confidence bounds were +-0.4 to +-0.8 wide).
+SHADOW_SCORES = ("feedback", "preference")
+FEEDBACK_N = 160  # rated replies the operator holds out (users' explicit thumbs)
+FEEDBACK_SEED = 7919  # their sampling seeds differ from the shadow evaluation's
 GATE = {"canary_share": 0.5, "canary_min_turns": 30, "canary_looks": 3, "canary_margin": 0.3,
         "shadow_margin": 0.05, "shadow_set": "clawray.sim.users:shadow_set",
         "shadow_kwargs": {"n": 40, "pool": "validation", "type_weights": TYPE_WEIGHTS}}
 
 
 def gate_demo_config(cfg: ClawRayConfig, out: Path, seed: int, scenario: str, gated: bool,
-                     keys: list[str], on_reject: str = ON_REJECT) -> ClawRayConfig:
+                     keys: list[str], on_reject: str = ON_REJECT,
+                     shadow_score: str = "feedback") -> ClawRayConfig:
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}: one of {SCENARIOS}")
+    if shadow_score not in SHADOW_SCORES:
+        raise ValueError(f"unknown shadow score {shadow_score!r}: one of {SHADOW_SCORES}")
+    if shadow_score == "feedback":  # the file run_once writes before training starts
+        shadow = {"shadow_set": "clawray.gate.feedback:feedback_shadow_set",
+                  "shadow_kwargs": {"path": str(out / "feedback.jsonl"),
+                                    "n": GATE["shadow_kwargs"]["n"], "seed": seed}}
+    else:
+        shadow = {"shadow_kwargs": {**GATE["shadow_kwargs"],
+                                    "preference": USERS_WANT[scenario].name}}
     # the embedded model's LoRA settings; a real model keeps the live demo's (REAL_MODEL)
     lora = ({} if is_real_model(cfg)
             else {"inference": {"max_lora_rank": LORA["lora_rank"]},
@@ -78,13 +100,32 @@ def gate_demo_config(cfg: ClawRayConfig, out: Path, seed: int, scenario: str, ga
         judge={"backend": "function", "function": JUDGES[scenario]},
         training={"zero_stage": 0},
         gate={**GATE, "enabled": gated, "dir": str(out / "gate"), "on_reject": on_reject,
-              "shadow_kwargs": {**GATE["shadow_kwargs"],
-                                "preference": USERS_WANT[scenario].name}})
+              **shadow})
+
+
+def collect_feedback(base_url: str, api_key: str, model: str, pref: Any, path: Path, *,
+                     seed: int, n: int = FEEDBACK_N, **sampling: Any) -> dict[str, Any]:
+    """The users' explicit ratings of the serving model's replies to ``n`` validation
+    prompts (up: the reply satisfied them), written as rated replies to ``path``; the reply
+    scorer's report on them."""
+    from clawray.gate.feedback import FeedbackScorer, read_rated
+    from clawray.sim.users import SYSTEM_PROMPT
+
+    r = asyncio.run(evaluate(base_url, api_key, model, n=n, seed=seed * 100 + FEEDBACK_SEED,
+                             preference=pref, pool="validation", type_weights=TYPE_WEIGHTS,
+                             **sampling))
+    rows = [{"messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                          {"role": "user", "content": x.request}],
+             "reply": x.reply, "rating": "up" if x.satisfied else "down"}
+            for x in r.interactions if x.satisfied is not None]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return FeedbackScorer.fit(read_rated(path), seed=seed).report
 
 
 def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, scenario: str, gated: bool,
              budget: int = BUDGET, eval_n: int = EVAL_N, eval_pool: str = "test",
-             on_reject: str = ON_REJECT, log: Any = print) -> dict[str, Any]:
+             on_reject: str = ON_REJECT, shadow_score: str = "feedback",
+             log: Any = print) -> dict[str, Any]:
     import ray
 
     from clawray.apps.launch import start_serving
@@ -95,12 +136,13 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, scenario: str, gated: 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     keys = [f"sk-demo-{seed}-{secrets.token_urlsafe(16)}" for _ in range(USERS)]
-    cfg = gate_demo_config(cfg, out, seed, scenario, gated, keys, on_reject)
+    cfg = gate_demo_config(cfg, out, seed, scenario, gated, keys, on_reject, shadow_score)
     pref = USERS_WANT[scenario](phrasing="keywords")  # the heuristic judge reads its keywords
     # the model's sampling: the embedded model's, or a real model's (shorter replies, cooler)
     sampling = {k: run_defaults(cfg)[k] for k in ("temperature", "max_tokens")}
     started = time.monotonic()
-    name = f"{scenario}, " + (f"gate ({on_reject})" if gated else "no gate")
+    name = f"{scenario}, " + (f"gate ({on_reject}, {shadow_score})" if gated else "no gate")
+    scorer = None
     try:
         base_url = start_serving(cfg, blocking=False)
         model = policy_model_info(cfg).name
@@ -115,6 +157,13 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, scenario: str, gated: 
             f"({time.monotonic() - started:.0f} s)")
         before = held_out()
         log(f"  before: {before:.1%} satisfied on the held-out {eval_pool!r} pool")
+        if gated and shadow_score == "feedback":
+            scorer = collect_feedback(base_url, keys[0], model, pref, out / "feedback.jsonl",
+                                      seed=seed, **sampling)
+            log(f"  explicit feedback held out: {scorer['up']} up, {scorer['down']} down; "
+                "the shadow scorer's balanced accuracy "
+                f"{scorer['scorer']['balanced_accuracy']:.3f} (length alone "
+                f"{scorer['length_only']['balanced_accuracy']:.3f}), cross-validated")
         trainer = Trainer(config=cfg.to_dict())
         gate = get_policy_gate(cfg.training_cfg.app) if gated else None
         pool = UserPool(base_url, model, [(k, pref) for k in keys], seed,
@@ -150,7 +199,9 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, scenario: str, gated: 
         ray.shutdown()
     summary = {"seed": seed, "scenario": scenario, "gated": gated, "model": model,
                "real_model": is_real_model(cfg),
-               "on_reject": on_reject if gated else None, "budget": budget,
+               "on_reject": on_reject if gated else None,
+               "shadow_score": shadow_score if gated else None, "shadow_scorer": scorer,
+               "budget": budget,
                "eval_pool": eval_pool, "eval_n": eval_n,
                "rows_trained": trained, "steps": steps, "before": before, "after": after,
                "curve": curve, "events": events, **turns_by_version(pool, events),
@@ -172,8 +223,7 @@ def ledger_lines(summary: dict[str, Any]) -> list[dict[str, Any]]:
     of live turns that abandoned versions served."""
     experiment = "gate-demo" + (f"-{summary['model']}" if summary.get("real_model") else "")
     fields = {"experiment": experiment, "seed": summary["seed"],
-              "arm": f"{summary['scenario']}/"
-                     f"{arm_name(summary['gated'], summary.get('on_reject') or ON_REJECT)}",
+              "arm": f"{summary['scenario']}/{arm_of(summary)}",
               "budget": summary["budget"], "rows_trained": summary["rows_trained"]}
     lines = ledger.before_after("satisfaction", summary["before"], summary["after"],
                                 pool=summary["eval_pool"], n=summary["eval_n"], **fields)
@@ -220,8 +270,16 @@ def turns_by_version(pool: UserPool, events: list[dict[str, Any]]) -> dict[str, 
             "exposure": exposure}
 
 
-def arm_name(gated: bool, on_reject: str) -> str:
-    return f"gate-{on_reject}" if gated else "nogate"
+def arm_name(gated: bool, on_reject: str, shadow_score: str = "feedback") -> str:
+    if not gated:
+        return "nogate"
+    return f"gate-{on_reject}" + ("-feedback" if shadow_score == "feedback" else "")
+
+
+def arm_of(summary: dict[str, Any]) -> str:
+    """A run's arm (runs before shadow scores were named scored with the preference)."""
+    return arm_name(summary["gated"], summary.get("on_reject") or ON_REJECT,
+                    summary.get("shadow_score") or "preference")
 
 
 def run_gate_demo(cfg: ClawRayConfig, out: Path, seeds: list[int],
@@ -229,8 +287,9 @@ def run_gate_demo(cfg: ClawRayConfig, out: Path, seeds: list[int],
                   arms: tuple[bool, ...] = (False, True), on_reject: str = ON_REJECT,
                   **kwargs: Any) -> int:
     """Every scenario with (and without) the gate for every seed, then gate.json, gate.png."""
-    summaries = [run_once(cfg, out / f"{sc}-{arm_name(g, on_reject)}-seed{seed}", seed=seed,
-                          scenario=sc, gated=g, on_reject=on_reject, **kwargs)
+    score = kwargs.get("shadow_score", "feedback")
+    summaries = [run_once(cfg, out / f"{sc}-{arm_name(g, on_reject, score)}-seed{seed}",
+                          seed=seed, scenario=sc, gated=g, on_reject=on_reject, **kwargs)
                  for seed in seeds for sc in scenarios for g in arms]
     agg = write_results(summaries, out)
     for key, a in agg.items():
@@ -277,13 +336,18 @@ def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
                 "stderr": float(a.std(ddof=1) / np.sqrt(len(a))) if len(a) > 1 else None}
 
     out = {}
-    arms = sorted({(s["gated"], s.get("on_reject")) for s in summaries}, key=str)
+    def label(s: dict[str, Any]) -> str:
+        if not s["gated"]:
+            return "no gate"
+        scored = ", feedback" if s.get("shadow_score") == "feedback" else ""
+        return f"gate ({s.get('on_reject')}{scored})"
+
+    arms = sorted({label(s) for s in summaries})
     for sc in SCENARIOS:
-        for g, how in arms:
-            runs = [s for s in summaries if s["scenario"] == sc and s["gated"] == g
-                    and s.get("on_reject") == how]
+        for arm in arms:
+            runs = [s for s in summaries if s["scenario"] == sc and label(s) == arm]
             if runs:
-                out[f"{sc}, " + (f"gate ({how})" if g else "no gate")] = {
+                out[f"{sc}, {arm}"] = {
                     "seeds": [s["seed"] for s in runs],
                     "before": stat([s["before"] for s in runs]),
                     "after": stat([s["after"] for s in runs]),
@@ -316,14 +380,13 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
 
     budget = max((s["budget"] for s in summaries), default=BUDGET)
     grid = list(range(0, budget + 1, 32))
-    colors = {"nogate": "tab:red", "gate-restart": "tab:green", "gate-keep_line": "tab:blue"}
+    colors = {"nogate": "tab:red", "gate-restart": "tab:green", "gate-keep_line": "tab:blue",
+              "gate-restart-feedback": "tab:olive", "gate-keep_line-feedback": "tab:cyan"}
     fig, axes = plt.subplots(1, len(SCENARIOS), figsize=(12, 4.5), squeeze=False)
     for ax, sc in zip(axes[0], SCENARIOS):
-        arms = sorted({arm_name(s["gated"], s.get("on_reject") or ON_REJECT)
-                       for s in summaries if s["scenario"] == sc})
+        arms = sorted({arm_of(s) for s in summaries if s["scenario"] == sc})
         for arm in arms:
-            runs = [s for s in summaries if s["scenario"] == sc
-                    and arm_name(s["gated"], s.get("on_reject") or ON_REJECT) == arm]
+            runs = [s for s in summaries if s["scenario"] == sc and arm_of(s) == arm]
             ys = np.array([[np.nan if y is None else y for y in curve_of(s, grid)]
                            for s in runs], dtype=float)
             color = colors.get(arm, "tab:gray")

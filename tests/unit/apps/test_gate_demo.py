@@ -19,12 +19,36 @@ def test_the_arms_are_valid_configs_that_differ_only_in_the_gate(tmp_path):
                    .check().to_dict() for g in (False, True))
         assert on["gate"]["enabled"] and not off["gate"]["enabled"]
         assert on["judge"]["function"] == JUDGES[scenario]
-        assert on["gate"]["shadow_kwargs"]["preference"] == USERS_WANT[scenario].name
-        assert on["gate"]["shadow_kwargs"]["pool"] == "validation"  # "test" reports
+        # the default shadow score is what an operator has: held-out explicit feedback
+        assert on["gate"]["shadow_set"] == "clawray.gate.feedback:feedback_shadow_set"
+        assert on["gate"]["shadow_kwargs"]["path"] == str(tmp_path / "feedback.jsonl")
+        assert "preference" not in on["gate"]["shadow_kwargs"]
+        oracle = gate_demo_config(ClawRayConfig(), tmp_path, 0, scenario, True, ["k1", "k2"],
+                                  shadow_score="preference").check().to_dict()
+        assert oracle["gate"]["shadow_kwargs"]["preference"] == USERS_WANT[scenario].name
+        assert oracle["gate"]["shadow_kwargs"]["pool"] == "validation"  # "test" reports
         off["gate"]["enabled"] = True
         assert off == on
     with pytest.raises(ValueError, match="unknown scenario"):
         gate_demo_config(ClawRayConfig(), tmp_path, 0, "both", True, ["k"])
+    with pytest.raises(ValueError, match="unknown shadow score"):
+        gate_demo_config(ClawRayConfig(), tmp_path, 0, "healthy", True, ["k"],
+                         shadow_score="users")
+
+
+def test_arms_name_how_the_shadow_set_was_scored():
+    from clawray.apps.gate_demo import arm_name, arm_of, ledger_lines
+
+    assert arm_name(True, "restart", "feedback") == "gate-restart-feedback"
+    assert arm_name(True, "restart", "preference") == "gate-restart"  # as before
+    assert arm_name(False, "restart", "feedback") == "nogate"
+    old = {"gated": True, "on_reject": "restart"}  # a summary written before the setting
+    assert arm_of(old) == "gate-restart"
+    run = {"seed": 0, "scenario": "poisoned", "gated": True, "on_reject": "restart",
+           "shadow_score": "feedback", "budget": 64, "rows_trained": 64, "before": 0.8,
+           "after": 0.8, "eval_pool": "validation", "eval_n": 10, "events": [],
+           "abandoned": [], "live_turns": 0, "model": "m"}
+    assert {line["arm"] for line in ledger_lines(run)} == {"poisoned/gate-restart-feedback"}
 
 
 def test_the_poisoned_judge_rewards_short_replies_whatever_the_user_said():
@@ -161,3 +185,33 @@ def test_each_run_goes_to_the_ledger_with_the_gates_decisions_as_numbers(tmp_pat
     # a real model's runs are an experiment of their own, named by the model
     real = ledger_lines({**run(True), "model": "smollm2-135m-instruct", "real_model": True})
     assert {x["experiment"] for x in real} == {"gate-demo-smollm2-135m-instruct"}
+
+
+def test_the_operators_feedback_is_the_users_ratings_of_validation_replies(tmp_path,
+                                                                           monkeypatch):
+    """collect_feedback asks the validation pool (not the test pool), with sampling seeds of
+    its own, and writes each judged reply with the user's thumb; errors are left out."""
+    from types import SimpleNamespace
+
+    from clawray.apps import gate_demo
+    from clawray.gate.feedback import read_rated
+
+    asked = {}
+
+    async def fake_evaluate(base_url, key, model, *, n, seed, preference, pool, **kw):
+        asked.update(n=n, seed=seed, pool=pool)
+        replies = [("detail " * 12).strip() if i % 2 else "short" for i in range(n)]
+        return SimpleNamespace(interactions=[
+            SimpleNamespace(request=f"q{i}", reply=r, satisfied=preference.satisfied(r))
+            for i, r in enumerate(replies)] + [
+            SimpleNamespace(request="lost", reply=None, satisfied=None)])
+
+    monkeypatch.setattr(gate_demo, "evaluate", fake_evaluate)
+    path = tmp_path / "feedback.jsonl"
+    report = gate_demo.collect_feedback("http://x", "k", "m", USERS_WANT["poisoned"](), path,
+                                        seed=3, n=20)
+    assert asked == {"n": 20, "seed": 3 * 100 + gate_demo.FEEDBACK_SEED, "pool": "validation"}
+    rows = read_rated(path)
+    assert len(rows) == 20 and {r.rating for r in rows if r.reply == "short"} == {-1}
+    assert report["up"] == report["down"] == 10
+    assert rows[0].messages[-1] == {"role": "user", "content": "q0"}

@@ -103,7 +103,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
                              on_reject=args.on_reject, eval_pool=args.eval_pool,
                              shadow_score=args.shadow_score, **extra)
     if args.per_user:
+        from clawray.apps.per_user_demo import combine as combine_per_user
         from clawray.apps.per_user_demo import run_per_user_demo
+
+        if args.combine:
+            agg = combine_per_user([Path(p) for p in args.combine], Path(args.out))
+            for name, groups in agg["paired"].items():
+                print(f"{name}, rise paired by seed: " + "; ".join(
+                    f"{g} {_paired_text(d)}" for g, d in groups.items() if d["difference"]))
+            print(f"clawray demo --per-user: {Path(args.out) / 'per_user.json'}")
+            return 0
 
         extra = {k: v for k, v in (("budget", args.budget), ("eval_n", args.eval_n),
                                    ("lr", args.lr), ("kl", args.kl)) if v is not None}
@@ -380,6 +389,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from None
     print(json.dumps(st, indent=2, default=str) if args.json else render(st))
     return 0
+
+
+def _paired_text(d: dict) -> str:
+    """A paired difference (``clawray.stats.paired_difference``) as "+x ± se (p = …)"."""
+    p = "n/a" if d["p_value"] is None else f"{d['p_value']:.3g}"
+    se = d["difference"]["stderr"]
+    return f"{d['difference']['mean']:+.1%} ± {'n/a' if se is None else f'{se:.1%}'} (p = {p})"
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
@@ -672,8 +688,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--arms", nargs="+", default=["nogate", "gate"],
                            choices=["nogate", "gate"], help="--gate: without / with the gate")
             p.add_argument("--combine", nargs="+", metavar="DIR",
-                           help="--gate: combine runs made one by one (their --out folders) "
-                                "into OUT/gate.json and OUT/gate.png")
+                           help="--gate, --per-user: combine runs made one by one (their --out "
+                                "folders) into OUT's aggregate and plot")
             p.add_argument("--on-reject", default="restart", choices=["restart", "keep_line"],
                            help="--gate: a rejected candidate abandons its line (restart) or "
                                 "the trainer's line goes on (keep_line)")
@@ -682,8 +698,11 @@ def main(argv: list[str] | None = None) -> int:
                            help="--gate: score shadow replies with a scorer fitted on the "
                                 "users' held-out explicit ratings (what an operator has), or "
                                 "with their hidden preference (an oracle)")
-            p.add_argument("--modes", nargs="+", default=["shared", "per_user"],
-                           choices=["shared", "per_user"], help="--per-user: which to run")
+            p.add_argument("--modes", nargs="+",
+                           default=["shared", "per_user", "per_user_shuffled"],
+                           choices=["shared", "per_user", "per_user_shuffled"],
+                           help="--per-user: which to run (per_user_shuffled: the control, "
+                                "adapters per user judged on other turns' feedback)")
             p.add_argument("--budget", type=int, help="--per-user, --gate: rows trained per run")
             p.add_argument("--eval-n", type=int, help="held-out evaluation requests (per user "
                            "with --per-user)")

@@ -12,7 +12,13 @@ cluster, with the same sample budget and the same LoRA settings:
 - ``shared``: one LoRA policy trained on everyone's turns (what OpenClaw-RL and every other
   system of the field does);
 - ``per_user``: ``training.per_user``, one LoRA adapter per user trained on that user's turns
-  only and served to that user only (``docs/per_user.md``).
+  only and served to that user only (``docs/per_user.md``);
+- ``per_user_shuffled``, the control: ``per_user`` with ``judge.control: shuffled_feedback``
+  (each turn judged by what a user said about another turn): adapters of their own that must
+  not move toward their users' preference, since what the users said no longer reaches them.
+
+``aggregate`` pairs the arms by seed, per group: ``per_user`` against ``shared`` and against
+its control (``scipy.stats.ttest_rel`` through ``clawray.stats.paired_difference``).
 
 Before and after training every user's satisfaction is measured on the held-out ``test``
 prompt pool (``--eval-pool validation`` for choosing settings), with that user's key (so
@@ -48,7 +54,8 @@ GROUPS: dict[str, type] = {"brief": BriefReplies, "detailed": DetailedReplies}
 # rows; docs/per_user.md). On greetings and questions each group's missing reply is the
 # other's usual one (3-5% of samples), so both groups can learn.
 TYPE_WEIGHTS = {"greeting": 0.5, "question": 0.5}
-MODES = ("shared", "per_user")
+MODES = ("shared", "per_user", "per_user_shuffled")
+CONTROL = {"per_user_shuffled": "shuffled_feedback"}  # mode -> judge.control
 USERS_PER_GROUP = 2
 BUDGET = 1536  # rows trained per run, in both modes
 EVAL_N = 60  # held-out requests per user
@@ -67,9 +74,10 @@ def per_user_demo_config(cfg: ClawRayConfig, out: Path, seed: int, mode: str,
     no staleness limit: per-user rows carry their adapter's version)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: one of {MODES}")
-    per_user = mode == "per_user"
+    per_user = trains_per_user(mode)
     n = len(keys)
     return demo_config(cfg, out, seed).copy_with(
+        judge={"control": CONTROL.get(mode, "none")},
         serving={"api_keys": keys},
         inference={"max_loras": n, "max_lora_rank": LORA["lora_rank"]},
         buffer={"max_staleness": None, "lease_s": 120.0},
@@ -77,6 +85,10 @@ def per_user_demo_config(cfg: ClawRayConfig, out: Path, seed: int, mode: str,
                   "per_user": per_user,
                   "per_user_min_rows": USER_ROWS[0], "per_user_max_rows": USER_ROWS[1],
                   "per_user_max_users": 2, "user_adapters_dir": str(out / "users")})
+
+
+def trains_per_user(mode: str) -> bool:
+    return mode.startswith("per_user")
 
 
 def make_members(seed: int, users_per_group: int) -> list[tuple[str, str, str]]:
@@ -122,6 +134,7 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, mode: str,
     members = make_members(seed, users_per_group)
     cfg = with_judge(per_user_demo_config(cfg, out, seed, mode, [k for _, _, k in members],
                                           lr, kl), judge, log=log)
+    assert cfg.judge_cfg.control == CONTROL.get(mode, "none")  # with_judge keeps the control
     phrasing = users_phrasing(cfg)
     preferences = {g: cls(phrasing=phrasing) for g, cls in GROUPS.items()}
     # the model's sampling: the embedded model's, or a real model's (shorter replies, cooler)
@@ -146,7 +159,7 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, mode: str,
             while trained < budget and steps < 4 * budget // 16:
                 r = trainer.train()
                 steps += 1
-                trained += int(r.get("user_rows", 0) if mode == "per_user"
+                trained += int(r.get("user_rows", 0) if trains_per_user(mode)
                                else r.get("samples", 0))
                 now = list(pool.interactions)
                 window, seen = now[seen:], len(now)
@@ -231,9 +244,29 @@ def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         out["modes"][mode] = {"seeds": [s["seed"] for s in runs], "groups": groups,
                               "rows_trained": [s["rows_trained"] for s in runs],
                               "user_errors": sum(s["user_errors"] for s in runs)}
+    out["paired"] = paired(summaries)
     first = summaries[0]
     out.update({k: first[k] for k in ("budget", "eval_pool", "eval_n_per_user",
                                       "users_per_group", "lr", "lora_rank", "judge")})
+    return out
+
+
+def paired(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per group, ``per_user``'s rise against each other arm's, paired by seed: "per_user −
+    shared" (adapters of their own against one policy) and "per_user − per_user_shuffled"
+    (what the users said against feedback of other turns)."""
+    from clawray.stats import paired_difference
+
+    def rises(mode: str, group: str) -> dict[int, float]:
+        return {s["seed"]: s["after"]["groups"][group] - s["before"]["groups"][group]
+                for s in summaries if s["mode"] == mode}
+
+    out = {}
+    for other in ("shared", "per_user_shuffled"):
+        if any(s["mode"] == other for s in summaries) and any(
+                s["mode"] == "per_user" for s in summaries):
+            out[f"per_user - {other}"] = {g: paired_difference(rises("per_user", g),
+                                                               rises(other, g)) for g in GROUPS}
     return out
 
 
@@ -246,7 +279,7 @@ def plot(agg: dict[str, Any], summaries: list[dict[str, Any]], path: Path) -> No
 
     colors = {"brief": "tab:blue", "detailed": "tab:orange"}
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    xs = {"shared": 0, "per_user": 1}
+    xs = {"shared": 0, "per_user": 1, "per_user_shuffled": 2}
     labelled: set[str] = set()
     for mode, m in agg["modes"].items():
         for j, (g, st) in enumerate(m["groups"].items()):
@@ -259,7 +292,8 @@ def plot(agg: dict[str, Any], summaries: list[dict[str, Any]], path: Path) -> No
             a.annotate(f"{st['before']['mean']:.0%}→{st['after']['mean']:.0%}",
                        (x, st["after"]["mean"]), textcoords="offset points", xytext=(0, 8),
                        ha="center", fontsize=8, color=colors[g])
-    a.set(xticks=[0, 1], xticklabels=["one shared policy", "a policy per user"],
+    a.set(xticks=[0, 1, 2], xticklabels=["one shared policy", "a policy per user",
+                                          "per user, shuffled\nfeedback (control)"],
           ylim=(0, 1.08), ylabel=f"satisfied, held-out '{agg['eval_pool']}' prompts",
           title=f"Before → after {agg['budget']} rows ({len(agg['modes']['shared']['seeds'])}"
                 " seeds, mean ± s.e.)" if "shared" in agg["modes"] else "Before → after")
@@ -275,9 +309,12 @@ def plot(agg: dict[str, Any], summaries: list[dict[str, Any]], path: Path) -> No
             where = np.clip(np.digitize(rows, edges[1:-1]), 0, len(edges) - 2)
             xs_, ys_ = zip(*[((edges[k] + edges[k + 1]) / 2, rates[where == k].mean())
                              for k in range(len(edges) - 1) if (where == k).any()])
-            b.plot(xs_, ys_, "o-" if mode == "per_user" else "s--", color=colors[g])
+            b.plot(xs_, ys_, {"per_user": "o-", "shared": "s--"}.get(mode, "^:"),
+                   color=colors[g])
     b.plot([], [], "--", color="grey", label="shared policy")
     b.plot([], [], "-", color="grey", label="policy per user")
+    if "per_user_shuffled" in agg["modes"]:
+        b.plot([], [], ":", color="grey", label="per user, shuffled feedback")
     b.set(xlabel="rows trained", ylabel="live satisfaction", ylim=(0, 1.02),
           title="Live users while training (mean over seeds, by eighth of the budget)")
     b.legend(loc="lower left")
@@ -286,15 +323,41 @@ def plot(agg: dict[str, Any], summaries: list[dict[str, Any]], path: Path) -> No
     plt.close(fig)
 
 
+def write_results(summaries: list[dict[str, Any]], out: Path) -> dict[str, Any]:
+    """``out/per_user.json`` (the aggregate) and ``out/per_user.png``; the aggregate."""
+    out.mkdir(parents=True, exist_ok=True)
+    agg = aggregate(summaries)
+    (out / "per_user.json").write_text(json.dumps(agg, indent=2))
+    plot(agg, summaries, out / "per_user.png")
+    return agg
+
+
+def combine(runs: list[Path], out: Path) -> dict[str, Any]:
+    """Runs made one by one (each ``--out`` folder, whose ``<mode>-seed<k>/summary.json`` are
+    its runs) into one ``per_user.json`` and ``per_user.png`` in ``out``. A seed and mode met
+    twice is refused: the first registered run is the one reported (the ledger lists both)."""
+    summaries, seen = [], {}
+    for folder in runs:
+        for path in sorted(Path(folder).glob("*-seed*/summary.json")):
+            s = json.loads(path.read_text())
+            key = (s["mode"], s["seed"])
+            if key in seen:
+                raise ValueError(f"{path}: {s['mode']} seed {s['seed']} is also {seen[key]}; "
+                                 "combine one run per seed and mode")
+            seen[key] = path
+            summaries.append(s)
+    if not summaries:
+        raise ValueError(f"no runs (<mode>-seed<k>/summary.json) under {runs}")
+    return write_results(summaries, out)
+
+
 def run_per_user_demo(cfg: ClawRayConfig, out: Path, seeds: list[int],
                       modes: tuple[str, ...] = MODES, **kwargs: Any) -> int:
     """Every mode for every seed (``out/<mode>-seed<k>``), then ``per_user.json`` and
     ``per_user.png``. 0 when per-user adapters raised both groups in every seed."""
     summaries = [run_once(cfg, out / f"{mode}-seed{seed}", seed=seed, mode=mode, **kwargs)
                  for seed in seeds for mode in modes]
-    agg = aggregate(summaries)
-    (out / "per_user.json").write_text(json.dumps(agg, indent=2))
-    plot(agg, summaries, out / "per_user.png")
+    agg = write_results(summaries, out)
     for mode, m in agg["modes"].items():
         print(f"clawray demo --per-user: {mode}: " + "; ".join(
             f"{g} {st['before']['mean']:.1%} → {st['after']['mean']:.1%} (rise "

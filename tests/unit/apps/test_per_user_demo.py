@@ -20,10 +20,16 @@ def test_both_modes_are_valid_configs_that_differ_only_in_per_user_training(tmp_
     assert len(set(keys)) == 4 and len(set(make_members(0, 2)) & set(members)) == 0
     cfgs = {m: per_user_demo_config(ClawRayConfig(), tmp_path, 0, m, keys).check()
             for m in MODES}
-    shared, per_user = (cfgs[m].to_dict() for m in MODES)
+    shared, per_user, control = (cfgs[m].to_dict() for m in MODES)
     assert per_user["training"]["per_user"] and not shared["training"]["per_user"]
     for cfg in (shared, per_user):
         assert cfg["training"]["lora_rank"] > 0 and cfg["serving"]["api_keys"] == keys
+        assert cfg["judge"]["control"] == "none"
+    # the control: adapters per user, each turn judged on another turn's feedback
+    assert control["training"]["per_user"] and control["judge"]["control"] == \
+        "shuffled_feedback"
+    control["judge"]["control"] = "none"
+    assert control == per_user
     shared["training"]["per_user"] = True
     assert shared == per_user  # the same budget, learner, buffer and judge otherwise
     with pytest.raises(ValueError, match="unknown mode"):
@@ -89,3 +95,36 @@ def test_each_group_of_each_mode_goes_to_the_ledger_before_after_and_change(tmp_
     s.update(model="smollm2-135m-instruct", real_model=True)
     assert {x["experiment"] for x in ledger_lines(s)} == {
         "per-user-demo-judge-model-smollm2-135m-instruct"}
+
+
+def test_per_user_is_paired_by_seed_against_the_shared_policy_and_its_control(tmp_path):
+    import json
+
+    from clawray.apps.per_user_demo import combine
+
+    rise = {"per_user": (0.2, 0.3, 0.25), "shared": (0.0, 0.1, -0.05),
+            "per_user_shuffled": (0.0, 0.02, 0.01)}
+    folders = []
+    for k, mode in enumerate(MODES):  # each mode run on its own, as runs made one by one
+        for seed, r in enumerate(rise[mode]):
+            d = tmp_path / f"run{k}" / f"{mode}-seed{seed}"
+            d.mkdir(parents=True)
+            (d / "summary.json").write_text(json.dumps(summary(
+                seed, mode, {"brief": 0.1, "detailed": 0.8},
+                {"brief": 0.1 + r, "detailed": 0.8})))
+        folders.append(tmp_path / f"run{k}")
+    agg = combine(folders, tmp_path / "all")
+    vs_shared = agg["paired"]["per_user - shared"]["brief"]
+    assert vs_shared["seeds"] == [0, 1, 2]
+    assert vs_shared["difference"]["mean"] == pytest.approx(0.2333333)
+    assert vs_shared["shown"] and vs_shared["p_value"] < 0.05
+    vs_control = agg["paired"]["per_user - per_user_shuffled"]["brief"]
+    assert vs_control["difference"]["mean"] == pytest.approx(0.24)
+    # the detailed group did not move in any arm: no difference, nothing shown
+    assert not agg["paired"]["per_user - shared"]["detailed"]["shown"]
+    assert (tmp_path / "all" / "per_user.png").stat().st_size > 10_000
+    # a seed met twice is refused (the first registered run is the one reported)
+    with pytest.raises(ValueError, match="per_user seed 0 is also"):
+        combine([folders[1], folders[1]], tmp_path / "twice")
+    with pytest.raises(ValueError, match="no runs"):
+        combine([tmp_path / "none"], tmp_path / "x")

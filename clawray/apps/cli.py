@@ -59,7 +59,8 @@ def cmd_model(args: argparse.Namespace) -> int:
                 print("clawray model import: --out DIR is required", file=sys.stderr)
                 return 2
             template = Path(args.chat_template).read_text() if args.chat_template else None
-            folder = import_model(args.source, args.out, chat_template=template)
+            folder = import_model(args.source, args.out, chat_template=template,
+                                  context=args.context)
         else:
             folder = resolve_model_path(args.source)
     except (ModelImportError, ModelLoadError) as e:
@@ -502,6 +503,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat-template", help="import: a Jinja chat template file that replaces "
                    "the model's own (kept beside it as chat_template.original.jinja), e.g. "
                    "when the model's own ignores tools")
+    p.add_argument("--context", type=int, metavar="N",
+                   help="import: extend the context window to N positions by YaRN RoPE scaling "
+                        "(written into config.json; every engine and the learner read it; "
+                        "docs/models.md says what it costs)")
     p.set_defaults(fn=cmd_model)
     p = sub.add_parser("key-digest", help="print an API key's SHA-256 digest and tenant id "
                        "(for serving.api_key_digests: a YAML that holds no key); reads the "

@@ -11,8 +11,17 @@ clawray serves (both engines) and trains, with its provenance written beside the
   into the model cache (``$CLAWRAY_CACHE_DIR`` or ``~/.cache/clawray/models``) by the first use
   or by ``make setup``: atomically, under a lock, and again if the folder is removed.
 
+- ``context=N`` (``--context N``): a longer context window than the model was trained for,
+  by YaRN RoPE scaling written into the folder's ``config.json`` (``rope_parameters``:
+  ``rope_type: yarn``, ``factor`` N / the model's positions, ``original_max_position_embeddings``;
+  ``max_position_embeddings`` N, as transformers' YaRN expects). transformers, vLLM and the
+  learner all read the folder, so every engine serves and trains the same extended model. It
+  is not free: YaRN changes the attention at every length (``bench/context_extension.py``
+  measures what it costs).
+
 Provenance (``clawray_import.json`` in the folder, and ``/v1/models``): where the weights came
-from (file or folder, package and version), the GGUF's sha256 and quantization, the time.
+from (file or folder, package and version), the GGUF's sha256 and quantization, the context
+extension, the time.
 """
 
 from __future__ import annotations
@@ -141,14 +150,49 @@ def _import_folder(path: Path, out: Path) -> dict[str, Any]:
     return {"format": "hf", "files": weights}
 
 
+def extend_context(folder: Path, context: int) -> dict[str, Any]:
+    """YaRN RoPE scaling to ``context`` positions in ``folder``'s config.json (module
+    docstring); what was done, for the provenance."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    text = config.get("text_config", config)  # multimodal wrappers nest the LM config
+    rope = dict(text.get("rope_parameters") or {})
+    if rope.get("rope_type", "default") not in ("default", "yarn"):
+        raise ModelImportError(f"--context: the model already scales RoPE "
+                               f"({rope.get('rope_type')!r}); only unscaled RoPE is extended")
+    if "rope_theta" not in rope and "rope_theta" not in text:
+        raise ModelImportError("--context: config.json has no RoPE parameters (rope_theta): "
+                               "not a RoPE model")
+    original = int(rope.get("original_max_position_embeddings")
+                   or text.get("max_position_embeddings") or 0)
+    if original <= 0:
+        raise ModelImportError("--context: config.json has no max_position_embeddings")
+    if context <= original:
+        raise ModelImportError(f"--context {context}: the model already has {original} "
+                               "positions; give a longer context")
+    factor = context / original
+    rope.update(rope_type="yarn", factor=factor, original_max_position_embeddings=original)
+    rope.setdefault("rope_theta", text.get("rope_theta"))
+    text.update(rope_parameters=rope, max_position_embeddings=context)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return {"method": "yarn", "factor": factor, "original_positions": original,
+            "positions": context}
+
+
 def import_model(source: str | Path, out: str | Path, *, package: str | None = None,
                  version: str | None = None, served_name: str | None = None,
-                 chat_template: str | None = None) -> Path:
+                 chat_template: str | None = None, context: int | None = None) -> Path:
     """``source`` (a ``.gguf`` file or a Hugging Face folder) as a Hugging Face folder at
     ``out`` (built whole, then renamed into place; an existing complete import is kept).
     ``chat_template`` (Jinja text) replaces the model's own, which is kept beside it as
     ``chat_template.original.jinja`` (like vLLM's ``--chat-template``, but in the folder, so
-    both engines and every tool read the same)."""
+    both engines and every tool read the same). ``context``: extend the context window to
+    that many positions (``extend_context``). ``source`` may also name a model
+    (``bundled:smollm2``, ``embedded:tiny``)."""
+    if str(source).startswith(("bundled:", "embedded:")):
+        from clawray.models.loader import resolve_model_path
+
+        source = resolve_model_path(str(source))
     source = Path(source).expanduser()
     if not source.exists():
         raise ModelImportError(f"{source} does not exist")
@@ -170,6 +214,8 @@ def import_model(source: str | Path, out: str | Path, *, package: str | None = N
             (tmp / TEMPLATE).write_text(chat_template)
             info["chat_template"] = {"replaced": True, "sha256": hashlib.sha256(
                 chat_template.encode()).hexdigest(), "original": ORIGINAL_TEMPLATE}
+        if context is not None:
+            info["context_extension"] = extend_context(tmp, context)
         (tmp / PROVENANCE).write_text(json.dumps(info, indent=2) + "\n")
 
     return build_folder_once(Path(out).expanduser(), build, PROVENANCE)

@@ -115,3 +115,39 @@ def test_bad_sources_are_precise_errors(tmp_path):
     assert not (tmp_path / "out").exists()  # a failed import leaves nothing behind
     with pytest.raises(ModelLoadError, match="unknown bundled model 'nope'"):
         resolve_model_path("bundled:nope")
+
+
+def test_a_longer_context_is_yarn_rope_scaling_in_the_folder_every_engine_reads(
+        tiny_model_path, tmp_path):
+    import torch
+
+    from clawray.models.loader import ModelInfo, load_model
+
+    out = import_model("embedded:tiny", tmp_path / "long", context=65536)  # a model name too
+    config = json.loads((out / "config.json").read_text())
+    assert config["max_position_embeddings"] == 65536
+    assert config["rope_parameters"] == {"rope_type": "yarn", "factor": 2.0,
+                                         "original_max_position_embeddings": 32768,
+                                         "rope_theta": 1_000_000.0}
+    assert provenance(out)["context_extension"] == {
+        "method": "yarn", "factor": 2.0, "original_positions": 32768, "positions": 65536}
+    assert ModelInfo.from_path(out).max_model_len == 65536  # the served window
+    long, base = load_model(out), load_model(tiny_model_path)
+    assert long.model.rotary_emb.rope_type == "yarn"
+    assert long.model.rotary_emb.attention_scaling > 1.0  # YaRN's attention temperature
+    ids = torch.arange(3, 67).unsqueeze(0)
+    with torch.no_grad():
+        moved = (long(ids).logits - base(ids).logits).abs().max().item()
+    assert moved > 1e-3  # not free: the same weights compute differently at every length
+
+
+def test_a_context_extension_that_cannot_be_made_is_a_precise_error(tiny_model_path, tmp_path):
+    with pytest.raises(ModelImportError, match="already has 32768 positions"):
+        import_model(tiny_model_path, tmp_path / "short", context=32768)
+    assert not (tmp_path / "short").exists()
+    scaled = import_model(tiny_model_path, tmp_path / "scaled", context=65536)
+    config = json.loads((scaled / "config.json").read_text())
+    config["rope_parameters"]["rope_type"] = "llama3"
+    (scaled / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelImportError, match="already scales RoPE \\('llama3'\\)"):
+        import_model(scaled, tmp_path / "again", context=131072)

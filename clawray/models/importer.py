@@ -196,10 +196,16 @@ def import_model(source: str | Path, out: str | Path, *, package: str | None = N
     both engines and every tool read the same). ``context``: extend the context window to
     that many positions (``extend_context``). ``source`` may also name a model
     (``bundled:smollm2``, ``embedded:tiny``)."""
-    if str(source).startswith(("bundled:", "embedded:")):
-        from clawray.models.loader import resolve_model_path
+    name = str(source)
+    if name.startswith("bundled:"):
+        source = bundled_folder(name[len("bundled:"):])
+    elif name.startswith("embedded:"):
+        from clawray.models.tiny import build_embedded_default
 
-        source = resolve_model_path(str(source))
+        if name != "embedded:tiny":
+            raise ModelImportError(f"unknown embedded model {name!r}; the only one is "
+                                   "'embedded:tiny'")
+        source = build_embedded_default()
     source = Path(source).expanduser()
     if not source.exists():
         raise ModelImportError(f"{source} does not exist")

@@ -92,12 +92,11 @@ def _pipeline(features: str, seed: int) -> Any:
 
 
 def _scores(y_true: Any, y_pred: Any) -> dict[str, float]:
-    import numpy as np
+    from sklearn.metrics import balanced_accuracy_score, recall_score
 
-    y_true, y_pred = np.asarray(y_true), np.asarray(y_pred)
-    p_up = float(np.mean(y_pred[y_true == 1] == 1))
-    p_down = float(np.mean(y_pred[y_true == -1] == -1))
-    return {"balanced_accuracy": (p_up + p_down) / 2, "p_up": p_up, "p_down": p_down}
+    return {"balanced_accuracy": float(balanced_accuracy_score(y_true, y_pred)),
+            "p_up": float(recall_score(y_true, y_pred, pos_label=1)),
+            "p_down": float(recall_score(y_true, y_pred, pos_label=-1))}
 
 
 class FeedbackScorer:

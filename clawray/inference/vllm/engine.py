@@ -478,6 +478,11 @@ class VLLMEngine:
             logger.warning("could not remove LoRA adapter %d from vLLM", lora[0], exc_info=True)
         shutil.rmtree(lora[2].lora_path, ignore_errors=True)
 
+    async def lora_ops(self) -> list[str]:
+        """Whose LoRA ops each of vLLM's workers runs: ``clawray`` (one product per adapter,
+        ``cpu_lora.py``, on CPU) or ``vllm``."""
+        return list(await self._llm.collective_rpc("clawray_lora_ops"))
+
     def lora_status(self) -> dict[str, Any]:
         """The active adapter and the adapters still in use by requests in flight."""
         return {"active": None if self._lora is None else {"id": self._lora[0],

@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
+from clawray.inference.vllm import cpu_lora
+
+# vLLM imports this module in the process where the model runs (its worker), before the model
+# loads: the CPU LoRA ops go in there (elsewhere, importing it imports no vLLM).
+# CLAWRAY_VLLM_CPU_LORA_OPS=0 keeps vLLM's own (the baseline of bench/lora_prefill.py).
+if "vllm" in sys.modules and os.environ.get("CLAWRAY_VLLM_CPU_LORA_OPS", "1") != "0":
+    cpu_lora.install()
+
 
 class WorkerExtension:
     """Mixed into vLLM's worker class through ``worker_extension_cls`` (vLLM refuses an
@@ -28,3 +39,7 @@ class WorkerExtension:
         head.tie_weights(embed)
         head.quant_method.process_weights_after_loading(head)
         return True
+
+    def clawray_lora_ops(self) -> str:
+        """Whose LoRA ops vLLM's CPU wrapper calls in this worker: ``clawray`` or ``vllm``."""
+        return "clawray" if cpu_lora.installed() else "vllm"

@@ -430,6 +430,8 @@ async def test_a_learners_lora_update_is_served_as_the_learner_computes(engine, 
     kind, payload = core.sync_payload()
     assert kind == "lora" and payload["config"]["r"] == 8
     original = load_file(str(case.path / "model.safetensors"))
+    if case.engine == "vllm":  # on CPU it serves the adapter with clawray's LoRA ops
+        assert await engine.lora_ops() == ["clawray"]
     try:
         await LoraSync(replica_id="conformance").receive(engine, payload, 3)
         params = SamplingParams(max_tokens=12, temperature=1.0, seed=31, ignore_eos=True)

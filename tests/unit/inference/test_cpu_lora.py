@@ -1,0 +1,73 @@
+"""clawray's CPU LoRA ops compute what vLLM's own torch ops compute (one product per adapter
+instead of one per token), and give a token without an adapter no LoRA term."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clawray.inference.vllm import cpu_lora
+
+ops = pytest.importorskip("vllm.lora.ops.torch_ops")
+
+SLOTS, RANK, IN, OUT = 3, 8, 24, 40
+
+
+def _case(seed: int, indices: list[int]):
+    g = torch.Generator().manual_seed(seed)
+    n = len(indices)
+    return (torch.randn(n, IN, generator=g), torch.randn(SLOTS, 1, RANK, IN, generator=g),
+            torch.randn(SLOTS, 1, OUT, RANK, generator=g), torch.tensor(indices),
+            torch.randn(n, RANK, generator=g), torch.randn(n, OUT + 10, generator=g))
+
+
+@pytest.mark.parametrize("indices", [[1] * 7, [0, 0, 2, 2, 2, 1, 0], [2], [0, 1, 2, 1, 0]])
+def test_the_ops_equal_vllms_for_tokens_with_adapters(indices):
+    x, a, b, idx, mid, y = _case(0, indices)
+    for add in (True, False):
+        want, got = y.clone(), y.clone()
+        ops.bgmv_expand(mid, b, want, idx, add_inputs=add)
+        cpu_lora.bgmv_expand(mid, b, got, idx, add_inputs=add)
+        torch.testing.assert_close(got, want)
+        want, got = y.clone(), y.clone()
+        ops.bgmv_expand_slice(mid, b, want, idx, 5, OUT, add_inputs=add)
+        cpu_lora.bgmv_expand_slice(mid, b, got, idx, 5, OUT, add_inputs=add)
+        torch.testing.assert_close(got, want)
+    want, got = torch.zeros(len(indices), RANK), torch.zeros(len(indices), RANK)
+    ops.bgmv_shrink(x, a, want, idx, 0.5)
+    cpu_lora.bgmv_shrink(x, a, got, idx, 0.5)
+    torch.testing.assert_close(got, want)
+
+
+def test_the_prefill_ops_equal_vllms_over_sequences():
+    # three sequences of 4, 2 and 3 tokens on slots 2, -1 (none) and 0; vLLM's ops read the
+    # last slot for -1, so that sequence's rows are compared with zero, the others with vLLM
+    x, a, b, _, mid, y = _case(1, [0] * 9)
+    starts, lens, slots = torch.tensor([0, 4, 6]), torch.tensor([4, 2, 3]), torch.tensor([2, -1, 0])
+    meta = (starts, lens, slots, 3, 4, 9)
+    want, got = torch.zeros(9, RANK), torch.zeros(9, RANK)
+    ops.sgmv_shrink(x, a, want, *meta, 2.0)
+    cpu_lora.sgmv_shrink(x, a, got, *meta, 2.0)
+    keep = torch.tensor([1, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
+    torch.testing.assert_close(got[keep], want[keep])
+    assert torch.count_nonzero(got[~keep]) == 0
+    want, got = y.clone(), y.clone()
+    ops.sgmv_expand(mid, b, want, *meta, True)
+    cpu_lora.sgmv_expand(mid, b, got, *meta, True)
+    torch.testing.assert_close(got[keep], want[keep])
+    torch.testing.assert_close(got[~keep], y[~keep])  # nothing added without an adapter
+    want, got = y.clone(), y.clone()
+    ops.sgmv_expand_slice(mid, b, want, *meta, 3, OUT, False)
+    cpu_lora.sgmv_expand_slice(mid, b, got, *meta, 3, OUT, False)
+    torch.testing.assert_close(got[keep], want[keep])
+
+
+def test_install_puts_the_ops_where_vllms_cpu_wrapper_calls_them(monkeypatch):
+    punica_cpu = pytest.importorskip("vllm.lora.punica_wrapper.punica_cpu")
+    for name in cpu_lora.INSTALLED_NAMES:
+        monkeypatch.setattr(punica_cpu, name, getattr(ops, name))
+    assert not cpu_lora.installed()
+    assert cpu_lora.install()
+    assert cpu_lora.installed()
+    for name in cpu_lora.INSTALLED_NAMES:
+        assert getattr(punica_cpu, name) is getattr(cpu_lora, name)

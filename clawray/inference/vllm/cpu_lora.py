@@ -101,11 +101,14 @@ def sgmv_expand_slice(inputs, lora_b_weights, output_tensor, b_seq_start_loc, se
 
 
 def install() -> bool:
-    """Make vLLM's CPU LoRA wrapper call these ops; False where that wrapper is missing
-    (a vLLM without it: nothing to replace)."""
+    """Make vLLM's CPU LoRA wrapper call these ops; False on a GPU (its LoRA kernels are
+    vLLM's own) or where that wrapper is missing (nothing to replace)."""
     try:
         from vllm.lora.punica_wrapper import punica_cpu
+        from vllm.platforms import current_platform
     except ImportError:
+        return False
+    if not current_platform.is_cpu():
         return False
     for name in INSTALLED_NAMES:
         if not hasattr(punica_cpu, name):

@@ -94,6 +94,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 print(f"{key}: held-out {a['before']['mean']:.1%} → {a['after']['mean']:.1%} "
                       f"(change {a['change']['mean']:+.1%} ± {a['change']['stderr'] or 0:.1%},"
                       f" seeds {a['seeds']})")
+            paired = json.loads((Path(args.out) / "gate.json").read_text())["paired"]
+            for key, c in paired.items():
+                d = c["difference"]
+                print(f"{key}: {100 * d['mean']:+.1f} ± {100 * (d['stderr'] or 0):.1f} points "
+                      f"over seeds {c['seeds']} (paired t p = "
+                      f"{'n/a' if c['p_value'] is None else format(c['p_value'], '.3g')}; "
+                      f"{'shown' if c['shown'] else 'not shown'})")
             return 0
 
         extra = {k: v for k, v in (("budget", args.budget), ("eval_n", args.eval_n))

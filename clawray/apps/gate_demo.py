@@ -318,13 +318,40 @@ def combine(runs: list[Path], out: Path) -> dict[str, Any]:
 
 
 def write_results(summaries: list[dict[str, Any]], out: Path) -> dict[str, Any]:
-    """``out/gate.json`` (the aggregate and every run) and ``out/gate.png``; the aggregate."""
+    """``out/gate.json`` (the aggregate, the paired comparisons and every run) and
+    ``out/gate.png``; the aggregate."""
     out.mkdir(parents=True, exist_ok=True)
     agg = aggregate(summaries)
-    (out / "gate.json").write_text(json.dumps({"aggregate": agg, "runs": summaries}, indent=2,
-                                              default=str))
+    (out / "gate.json").write_text(json.dumps(
+        {"aggregate": agg, "paired": paired(summaries), "runs": summaries}, indent=2,
+        default=str))
     plot(summaries, out / "gate.png")
     return agg
+
+
+def arm_label(s: dict[str, Any]) -> str:
+    """A run's arm as the aggregate names it: "no gate", "gate (restart, feedback)", ..."""
+    if not s["gated"]:
+        return "no gate"
+    scored = ", feedback" if s.get("shadow_score") == "feedback" else ""
+    return f"gate ({s.get('on_reject')}{scored})"
+
+
+def paired(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per scenario, each gated arm's change of the held-out satisfaction against the no-gate
+    arm's, paired by seed (``clawray.stats.paired_difference``: mean and standard error of the
+    per-seed differences, a paired t-test's p)."""
+    from clawray.stats import paired_difference
+
+    out = {}
+    for sc in SCENARIOS:
+        runs = [s for s in summaries if s["scenario"] == sc]
+        nogate = {s["seed"]: s["after"] - s["before"] for s in runs if not s["gated"]}
+        for arm in sorted({arm_label(s) for s in runs if s["gated"]}):
+            gated = {s["seed"]: s["after"] - s["before"] for s in runs if arm_label(s) == arm}
+            if set(gated) & set(nogate):
+                out[f"{sc}: {arm} - no gate"] = paired_difference(gated, nogate)
+    return out
 
 
 def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -336,16 +363,10 @@ def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
                 "stderr": float(a.std(ddof=1) / np.sqrt(len(a))) if len(a) > 1 else None}
 
     out = {}
-    def label(s: dict[str, Any]) -> str:
-        if not s["gated"]:
-            return "no gate"
-        scored = ", feedback" if s.get("shadow_score") == "feedback" else ""
-        return f"gate ({s.get('on_reject')}{scored})"
-
-    arms = sorted({label(s) for s in summaries})
+    arms = sorted({arm_label(s) for s in summaries})
     for sc in SCENARIOS:
         for arm in arms:
-            runs = [s for s in summaries if s["scenario"] == sc and label(s) == arm]
+            runs = [s for s in summaries if s["scenario"] == sc and arm_label(s) == arm]
             if runs:
                 out[f"{sc}, {arm}"] = {
                     "seeds": [s["seed"] for s in runs],

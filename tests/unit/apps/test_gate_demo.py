@@ -147,6 +147,12 @@ def test_runs_made_one_by_one_combine_into_one_aggregate_and_plot(tmp_path):
     assert a["seeds"] == [0, 1] and a["change"]["mean"] == pytest.approx(0.2)
     assert a["change"]["stderr"] == pytest.approx(0.1) and a["turns_by_abandoned"] == 6
     assert (tmp_path / "all" / "gate.png").stat().st_size > 0
+    # the gated arm against the no-gate arm, seed by seed: 0.3 - 0.4 and 0.1 - 0.2
+    paired = json.loads((tmp_path / "all" / "gate.json").read_text())["paired"]
+    assert set(paired) == {"healthy: gate (keep_line) - no gate"}
+    p = paired["healthy: gate (keep_line) - no gate"]
+    assert p["seeds"] == [0, 1] and p["difference"]["mean"] == pytest.approx(-0.1)
+    assert not p["shown"]  # the gate lowered the rise here
     with pytest.raises(ValueError, match="no runs"):
         combine([], tmp_path / "none")
 

@@ -133,6 +133,15 @@ def separation(labels: list[bool], scores: list[float]) -> dict[str, float]:
             "n_plus": len(pos), "n_minus": len(neg)}
 
 
+def valid_only(contexts: list[StepContext], scores: list[float]) -> dict[str, float] | None:
+    """``separation`` among valid actions only (progress against none, without the
+    invalid-action cue); None where those steps hold one class only."""
+    valid = [(c.progress, s) for c, s in zip(contexts, scores) if c.valid]
+    if not any(y for y, _ in valid) or all(y for y, _ in valid):
+        return None
+    return separation([y for y, _ in valid], [s for _, s in valid])
+
+
 def sample(contexts: list[StepContext], n: int) -> list[StepContext]:
     """A seeded sample of ``n`` steps, both classes kept in proportion (all when n is 0)."""
     if not n or n >= len(contexts):
@@ -196,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
         "overlaps": overlaps,
         "rule_nothing_happens": {k: separation([c.progress for c in v], rule_scores(v))
                                  for k, v in pools.items()},
+        # the same rule among valid actions only, where the cue is gone
+        "rule_nothing_happens_valid_only": {
+            k: valid_only(v, rule_scores(v)) for k, v in pools.items()},
         "settings": {}}
     from transformers import AutoModelForCausalLM
 
@@ -210,10 +222,13 @@ def main(argv: list[str] | None = None) -> None:
 
     base_model = AutoModelForCausalLM.from_pretrained(base).eval()
     for window in [None if w == "all" else int(w) for w in args.windows.split(",")]:
-        report.setdefault("base_model", {})[str(window)] = {
-            k: separation([c.progress for c in v], verdict_scores(base_model, tokenizer, v,
-                                                                  window))
-            for k, v in pools.items() if k != "train"}
+        for k, v in pools.items():
+            if k == "train":
+                continue
+            scores = verdict_scores(base_model, tokenizer, v, window)
+            report.setdefault("base_model", {}).setdefault(str(window), {})[k] = {
+                **separation([c.progress for c in v], scores),
+                "valid_only": valid_only(v, scores)}
         for source, noise, steps in [(src, float(x), int(n)) for src in args.sources.split(",")
                                      for x in args.noise.split(",")
                                      for n in args.steps.split(",")]:
@@ -228,22 +243,24 @@ def main(argv: list[str] | None = None) -> None:
                 for k, v in scored.items():
                     scores = verdict_scores(model, tokenizer, v, window)
                     run[k] = separation([c.progress for c in v], scores)
-                    # among valid actions only: progress vs none, without the invalid-action cue
-                    valid = [(c.progress, s) for c, s in zip(v, scores) if c.valid]
-                    if any(y for y, _ in valid) and not all(y for y, _ in valid):
-                        run[k]["valid_only"] = separation([y for y, _ in valid],
-                                                          [s for _, s in valid])
+                    run[k]["valid_only"] = valid_only(v, scores)
                 runs.append(run)
                 print(f"{source} window {window} noise {noise} steps {steps} seed {seed}: "
                       + ", ".join(
                     f"{k} bal {r['balanced_acc']:.3f} auc {r['auc']:.3f}"
+                    + (f" (valid actions: bal {r['valid_only']['balanced_acc']:.3f})"
+                       if r["valid_only"] else "")
                     for k, r in runs[-1].items()), flush=True)
             report["settings"][f"{source},window={window},noise={noise},steps={steps}"] = {
                 "source": source, "window": window, "label_noise": noise, "steps": steps,
                 "runs": runs,
                 "summary": {pool: {m: mean_se([r[pool][m] for r in runs])
                                    for m in ("p_plus", "p_minus", "balanced_acc", "auc")}
-                            for pool in pools}}
+                            for pool in pools},
+                "summary_valid_only": {
+                    pool: {m: mean_se([r[pool]["valid_only"][m] for r in runs])
+                           for m in ("p_plus", "p_minus", "balanced_acc", "auc")}
+                    for pool in pools if all(r[pool]["valid_only"] for r in runs)}}
     report["seconds"] = time.time() - t0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

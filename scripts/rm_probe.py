@@ -142,6 +142,22 @@ def valid_only(contexts: list[StepContext], scores: list[float]) -> dict[str, fl
     return separation([y for y, _ in valid], [s for _, s in valid])
 
 
+def record_test(result: dict[str, Any], arm: str, seed: int) -> None:
+    """The test pool's figures on the ledger (experiment ``rm-probe``): balanced accuracy and
+    AUC over all steps and among valid actions only."""
+    from clawray import ledger
+
+    lines = [{"metric": "rm_balanced_acc", "value": result["balanced_acc"]},
+             {"metric": "rm_auc", "value": result["auc"]}]
+    if result.get("valid_only"):
+        lines += [{"metric": "rm_valid_balanced_acc",
+                   "value": result["valid_only"]["balanced_acc"]},
+                  {"metric": "rm_valid_auc", "value": result["valid_only"]["auc"]}]
+    ledger.record_lines([{**line, "experiment": "rm-probe", "arm": arm, "seed": seed,
+                          "pool": "test", "n": result["n_plus"] + result["n_minus"]}
+                         for line in lines])
+
+
 def sample(contexts: list[StepContext], n: int) -> list[StepContext]:
     """A seeded sample of ``n`` steps, both classes kept in proportion (all when n is 0)."""
     if not n or n >= len(contexts):
@@ -229,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
             report.setdefault("base_model", {}).setdefault(str(window), {})[k] = {
                 **separation([c.progress for c in v], scores),
                 "valid_only": valid_only(v, scores)}
+        record_test(report["base_model"][str(window)]["test"], f"base-model/window{window}", 0)
         for source, noise, steps in [(src, float(x), int(n)) for src in args.sources.split(",")
                                      for x in args.noise.split(",")
                                      for n in args.steps.split(",")]:
@@ -245,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
                     run[k] = separation([c.progress for c in v], scores)
                     run[k]["valid_only"] = valid_only(v, scores)
                 runs.append(run)
+                record_test(run["test"], f"{source}/window{window}/noise{noise}/steps{steps}",
+                            seed)
                 print(f"{source} window {window} noise {noise} steps {steps} seed {seed}: "
                       + ", ".join(
                     f"{k} bal {r['balanced_acc']:.3f} auc {r['auc']:.3f}"

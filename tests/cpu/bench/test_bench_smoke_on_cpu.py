@@ -1,8 +1,9 @@
 """Quick runs of the benchmarks. ``bench/serving.py`` for the rows that need no Ray: the
 in-process floor (a) and the peer proxy design (b), whose two uvicorn servers really start and
 serve over loopback (the Ray Serve rows need clusters of their own and belong to the full
-benchmark only). ``bench/learner.py --quick`` and ``bench/envs.py --quick`` whole, each in a
-subprocess with its own Ray."""
+benchmark only). ``bench/learner.py --quick``, ``bench/envs.py --quick`` and ``bench/chaos.py --quick`` whole,
+each in a subprocess with its own Ray: marked ``own_cluster``, run by ``make test-long`` and
+not by ``make test``."""
 
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ def run_quick(script, out, timeout_s: float = 300):
     return json.loads(out.read_text())
 
 
+@pytest.mark.own_cluster  # make test-long (README, "Tests")
 def test_quick_run_of_the_learner_bench_compares_the_same_work_and_times_a_sync(
         tiny_model_path, tmp_path):
     """``bench/learner.py --quick`` in its own process: it joins a gloo process group and
@@ -108,6 +110,7 @@ def test_quick_run_of_the_learner_bench_compares_the_same_work_and_times_a_sync(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+@pytest.mark.own_cluster  # make test-long (README, "Tests")
 def test_quick_run_of_the_env_runner_bench_measures_runners_against_the_generation_limit(
         tiny_model_path, tmp_path):
     """``bench/envs.py --quick`` in its own process (its own local Ray cluster and Serve app):
@@ -155,6 +158,7 @@ def test_prompt_token_bench_checks_ids_and_reports_both_methods(tmp_path, tiny_m
         assert row["tokens"] > 17_000 and row["whole_ms"] > 0 and row["cached_ms"] > 0
 
 
+@pytest.mark.own_cluster  # make test-long (README, "Tests")
 def test_quick_chaos_soak_loses_nothing_duplicates_nothing_trains_nothing_twice(
         tiny_model_path, tmp_path):
     """``bench/chaos.py --quick`` in its own process (its own Ray): 33 s of sessions,

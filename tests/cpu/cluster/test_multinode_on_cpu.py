@@ -16,6 +16,7 @@ import pytest
 from tests.support.common import checks_of
 
 REPO = Path(__file__).resolve().parents[3]
+pytestmark = pytest.mark.own_cluster  # make test-long, not make test (README, "Tests")
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from tests.support import loopback_ns
 from tests.support.common import checks_of
 
 REPO = Path(__file__).resolve().parents[3]
+pytestmark = pytest.mark.own_cluster  # make test-long, not make test (README, "Tests")
 TOLERANCE = 1e-4  # served vs learner log-probs: the same torch kernels (transformers engine)
 
 

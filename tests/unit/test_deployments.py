@@ -97,6 +97,20 @@ def test_the_image_is_built_by_the_setup_ci_runs():
     assert "make test" in (REPO / ".ci" / "run").read_text()
 
 
+def test_make_test_leaves_the_own_cluster_harnesses_to_make_test_long():
+    """CI's suite shares one Ray cluster; the tests that start their own run by test-long."""
+    makefile = (REPO / "Makefile").read_text()
+    test = re.search(r"^test: setup\n\t(.*)$", makefile, re.M).group(1)
+    long = re.search(r"^test-long: setup\n\t(.*)$", makefile, re.M).group(1)
+    assert '-m "not own_cluster"' in test and "-m own_cluster" in long
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert '"own_cluster: ' in pyproject and "--strict-markers" in pyproject  # declared (addopts --strict-markers rejects a misspelt mark)
+    marked = [f for f in (REPO / "tests" / "cpu").rglob("test_*.py")
+              if "pytest.mark.own_cluster" in f.read_text()]
+    assert {f.name for f in marked} == {"test_two_hosts_on_cpu.py", "test_multinode_on_cpu.py",
+                                        "test_bench_smoke_on_cpu.py"}, marked
+
+
 def _nodes_of(svc: dict) -> list[dict]:
     """The Ray nodes a RayService's groups start (``ray start`` params -> ``ray.nodes()``
     entries), each group at its ``replicas``."""

@@ -2,6 +2,7 @@
 #   make demo   - serve the embedded default model, train it live from simulated users, and
 #                 run the same with shuffled feedback as a control
 #   make test   - run the test suite
+# and, not in CI: make test-long - the tests that start Ray clusters of their own
 .PHONY: setup demo test test-long bench
 
 setup:

@@ -723,7 +723,8 @@ def save_plot(r: dict[str, Any], path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="33 s of chaos, a kill every 5 s (make test-long)")
+    p.add_argument("--quick", action="store_true",
+                   help="33 s of chaos, a kill every 5 s (make test-long)")
     p.add_argument("--duration-s", type=float, default=None, help="default 300 (33 quick)")
     p.add_argument("--users", type=int, default=None, help="default 4 (3 quick)")
     p.add_argument("--kill-every-s", type=float, default=None, help="default 20 (5 quick)")

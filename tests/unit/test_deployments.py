@@ -104,7 +104,8 @@ def test_make_test_leaves_the_own_cluster_harnesses_to_make_test_long():
     long = re.search(r"^test-long: setup\n\t(.*)$", makefile, re.M).group(1)
     assert '-m "not own_cluster"' in test and "-m own_cluster" in long
     pyproject = (REPO / "pyproject.toml").read_text()
-    assert '"own_cluster: ' in pyproject and "--strict-markers" in pyproject  # declared (addopts --strict-markers rejects a misspelt mark)
+    # declared, and --strict-markers makes a misspelt mark an error
+    assert '"own_cluster: ' in pyproject and "--strict-markers" in pyproject
     marked = [f for f in (REPO / "tests" / "cpu").rglob("test_*.py")
               if "pytest.mark.own_cluster" in f.read_text()]
     assert {f.name for f in marked} == {"test_two_hosts_on_cpu.py", "test_multinode_on_cpu.py",

@@ -1,9 +1,9 @@
 """Quick runs of the benchmarks. ``bench/serving.py`` for the rows that need no Ray: the
 in-process floor (a) and the peer proxy design (b), whose two uvicorn servers really start and
 serve over loopback (the Ray Serve rows need clusters of their own and belong to the full
-benchmark only). ``bench/learner.py --quick``, ``bench/envs.py --quick`` and ``bench/chaos.py --quick`` whole,
-each in a subprocess with its own Ray: marked ``own_cluster``, run by ``make test-long`` and
-not by ``make test``."""
+benchmark only). ``bench/learner.py --quick``, ``bench/envs.py --quick`` and
+``bench/chaos.py --quick`` whole, each in a subprocess with its own Ray: marked
+``own_cluster``, run by ``make test-long`` and not by ``make test``."""
 
 from __future__ import annotations
 

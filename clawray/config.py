@@ -647,6 +647,10 @@ class SFTConfig(_Section):
     steps: int = Field(300, ge=1, description="Optimizer steps.")
     batch_size: int = Field(32, ge=1, description="Demonstration steps per optimizer step.")
     lr: float = Field(1e-3, gt=0)
+    lora_rank: int = Field(
+        0, ge=0, description="0: train all weights; >0: LoRA adapters of this rank on "
+        "training.lora_targets (alpha training.lora_alpha), merged into the saved model. The "
+        "way to warm-start a pretrained model on this machine's CPU.")
     max_difficulty: float = Field(
         1.0, ge=0, le=1, description="Demonstrations use params up to this fraction of each "
         "axis of the difficulty box (0: the easiest tasks only).")

@@ -189,8 +189,18 @@ def cmd_judge_sft(args: argparse.Namespace) -> int:
     infos = []
     for seed in args.seeds or [cfg.sft_cfg.seed]:
         result = run_judge_sft(cfg.copy_with(sft={"seed": seed}), force=args.force,
-                               n_train=args.train, n_eval=args.eval, m=args.m)
+                               n_train=args.train, n_eval=args.eval, m=args.m,
+                               eval_base=not args.no_base, threads=args.threads,
+                               eval_engine=args.eval_engine)
         _print_judge_build(result)
+        if not result.cached:  # a fresh build's held-out evaluations go on the ledger
+            from clawray import ledger
+            from clawray.models.loader import policy_model_info
+            from clawray.sim.judge_sft import ledger_lines
+
+            real = not str(cfg.model_cfg.path or "embedded:").startswith("embedded:")
+            ledger.record_lines(ledger_lines(result.info, policy_model_info(cfg).name
+                                             if real else "embedded"))
         infos.append(result.info)
     if args.out is not None:
         agg = aggregate_builds(infos)
@@ -212,8 +222,10 @@ def _print_judge_build(result: Any) -> None:
     print(f"clawray judge-sft: {'cached' if result.cached else 'trained'} {result.path}")
 
     def line(m: dict) -> str:
-        return (f"balanced acc {m['balanced_acc']:.3f} (p+ {m['p_plus']:.2f}, p- "
-                f"{m['p_minus']:.2f}, p0 {m['p_zero']:.2f})")
+        def f(x: float | None, digits: int) -> str:  # None: no example of that label
+            return "-" if x is None else f"{x:.{digits}f}"
+        return (f"balanced acc {f(m['balanced_acc'], 3)} (p+ {f(m['p_plus'], 2)}, p- "
+                f"{f(m['p_minus'], 2)}, p0 {f(m['p_zero'], 2)})")
 
     for split in (k for k in EVAL_SPLITS if k in info):
         row = info[split]
@@ -587,6 +599,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train", type=int, default=2000, help="training examples")
     p.add_argument("--eval", type=int, default=300, help="examples per held-out split")
     p.add_argument("--m", type=int, default=3, help="votes per example in the evaluation")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the build (part of its cache key; 1 by default, so "
+                   "a build is the same on any machine)")
+    p.add_argument("--eval-engine", default="hf", choices=("hf", "vllm", "auto"),
+                   help="the engine that samples the held-out votes (hf starts in seconds; "
+                   "vllm is faster on a real model's long prompts)")
+    p.add_argument("--no-base", action="store_true",
+                   help="do not evaluate the model the judge starts from")
     p.add_argument("--force", action="store_true", help="retrain even if cached")
     p.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="build one judge per training seed (sft.seed)")

@@ -232,7 +232,8 @@ def judge_sft_key(base: Path, cfg: ClawRayConfig, settings: dict[str, Any]) -> s
 
 def run_judge_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True,
                   n_train: int = 2000, n_eval: int = 300, m: int = 3,
-                  base: str | Path | None = None, eval_base: bool = True) -> SFTResult:
+                  base: str | Path | None = None, eval_base: bool = True,
+                  threads: int = SFT_THREADS, eval_engine: str = "hf") -> SFTResult:
     """Train (or load from the cache) the judge model and evaluate it; see the module doc."""
     s = cfg.sft_cfg
     base = (Path(resolve_model_path(str(base))) if base is not None
@@ -240,6 +241,8 @@ def run_judge_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True
     # What changes the model (the evaluation's size does not: it is recorded in the info).
     settings = {"n_train": n_train, "steps": s.steps, "batch_size": s.batch_size, "lr": s.lr,
                 "seed": s.seed}
+    if threads != SFT_THREADS:  # absent at the default, so earlier builds keep their keys
+        settings["threads"] = threads
     key = judge_sft_key(base, cfg, settings)
     out = Path(s.cache_dir).expanduser() / f"judge-sft-{key}"
     if (hit := cached_result(out, force)) is not None:
@@ -247,7 +250,7 @@ def run_judge_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True
     t0 = time.perf_counter()
     train = judge_examples(n_train, "train", s.seed)
     rows = judge_sft_rows(train, load_tokenizer(base))
-    history = train_sft(base, cfg, rows, progress, threads=SFT_THREADS)
+    history = train_sft(base, cfg, rows, progress, threads=threads)
     held_out = {split: judge_examples(n_eval, split, s.seed) for split in EVAL_SPLITS}
 
     def describe(saved: Path) -> dict[str, Any]:
@@ -255,11 +258,13 @@ def run_judge_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True
         info: dict[str, Any] = {
             "key": key, "base": str(base), "recipe": RECIPE, **settings, "n_eval": n_eval,
             "m": m, "eval_temperature": EVAL_TEMPERATURE, "rows": len(rows),
+            "threads": threads, "lora_rank": s.lora_rank, "eval_engine": eval_engine,
             "nll_first": nll[0], "nll_last": nll[-1], "train_s": time.perf_counter() - t0,
             "splits": {k: {"phrasing": v[0], "prompts": v[1]} for k, v in SPLITS.items()}}
-        # The transformers engine starts in seconds (vLLM takes a minute per start); the
-        # votes are the same model's either way.
-        ev = cfg.copy_with(inference={"engine": "hf"})
+        # The transformers engine starts in seconds (vLLM takes a minute per start, and pays
+        # off on a real model's hundreds of 600-token prompts); the votes are the same model's
+        # either way.
+        ev = cfg.copy_with(inference={"engine": eval_engine})
         for split, examples in held_out.items():
             info[split] = {
                 "heuristic": heuristic_accuracy(examples),
@@ -274,6 +279,37 @@ def run_judge_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True
 
 
 FIGURES = ("balanced_acc_pm", "balanced_acc", "p_plus", "p_minus", "p_zero")
+LEDGER_POOLS = {"validation": "validation", "test": "test"}  # split -> the ledger's pool
+
+
+def ledger_lines(info: dict[str, Any], model: str) -> list[dict[str, Any]]:
+    """A fresh build's held-out figures for the ledger (experiment ``judge-sft``, with the base
+    model's name for anything but the embedded model): per split of ``LEDGER_POOLS``, the
+    judge's ``FIGURES`` (arm ``judge``), the heuristic rule judge's and the reply-only rules'
+    ±1 balanced accuracy beside them (arms ``heuristic``, ``rule/<name>``), and the base
+    model's when it was evaluated (arm ``base``). The build's settings ride along."""
+    settings = {k: info[k] for k in ("recipe", "n_train", "steps", "batch_size", "lr", "m",
+                                     "eval_temperature", "key") if k in info}
+    settings.update({k: info[k] for k in ("lora_rank", "threads") if info.get(k)})
+    lines = []
+    for split, pool in LEDGER_POOLS.items():
+        row = info.get(split)
+        if row is None:
+            continue
+        n = row["judge"]["n"]
+        common = {"experiment": "judge-sft" + ("" if model == "embedded" else f"-{model}"),
+                  "seed": info["seed"], "pool": pool, "n": n, **settings}
+        for arm in ("judge", "base"):
+            if arm in row:
+                lines += [{**common, "arm": arm, "metric": f, "value": row[arm][f]}
+                          for f in FIGURES if row[arm][f] is not None]
+        if (h := row["heuristic"]["balanced_acc_pm"]) is not None:
+            lines.append({**common, "arm": "heuristic", "metric": "balanced_acc_pm", "value": h})
+        lines += [{**common, "arm": f"rule/{name}", "metric": "balanced_acc_pm",
+                   "value": m["balanced_acc_pm"]}
+                  for name, m in row.get("reply_rules", {}).items()
+                  if m["balanced_acc_pm"] is not None]
+    return lines
 
 
 def aggregate_builds(infos: list[dict[str, Any]]) -> dict[str, Any]:

@@ -124,7 +124,7 @@ def sft_key(base: Path, cfg: ClawRayConfig) -> str:
              "family_kwargs": e.family_kwargs, "history_window": e.history_window,
              "task_pools": e.task_pools,
              "sft": cfg.sft_cfg.model_dump(exclude={"cache_dir", "eval_tasks",
-                                                     "eval_temperature"}),
+                                                     "eval_temperature", "lora_rank"}),
              "learner": learner_settings(cfg)}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -132,8 +132,12 @@ def sft_key(base: Path, cfg: ClawRayConfig) -> str:
 def learner_settings(cfg: ClawRayConfig) -> dict[str, Any]:
     """The learner settings besides ``sft.*`` that change what ``train_sft`` produces."""
     t = cfg.training_cfg
-    return {"zero_stage": t.zero_stage, "max_pack_tokens": t.max_pack_tokens,
-            "grad_clip": t.grad_clip, "betas": list(t.betas)}
+    out = {"zero_stage": t.zero_stage, "max_pack_tokens": t.max_pack_tokens,
+           "grad_clip": t.grad_clip, "betas": list(t.betas)}
+    if cfg.sft_cfg.lora_rank:  # absent at 0, so the full-weight builds keep their keys
+        out["lora"] = {"rank": cfg.sft_cfg.lora_rank, "alpha": t.lora_alpha,
+                       "targets": t.lora_targets}
+    return out
 
 
 def cached_result(out: Path, force: bool = False) -> SFTResult | None:
@@ -146,7 +150,10 @@ def cached_result(out: Path, force: bool = False) -> SFTResult | None:
 
 def write_model(folder: Path, base: Path, model: Any) -> Path:
     """``model``'s weights and ``base``'s tokenizer and config files in ``folder``: a model
-    folder that loads and serves like ``base``."""
+    folder that loads and serves like ``base``. A peft model (``sft.lora_rank``) is saved
+    with its adapters merged into a copy of the weights."""
+    if hasattr(model, "merge_and_unload"):
+        model = copy.deepcopy(model).merge_and_unload()
     for f in base.iterdir():
         if f.is_file() and not f.name.endswith((".safetensors", ".bin")):
             shutil.copy2(f, folder / f.name)
@@ -283,7 +290,8 @@ def train_sft(base: Path, cfg: ClawRayConfig, rows: list[dict[str, Any]],
 
     s = cfg.sft_cfg
     t = cfg.training_cfg.model_copy(update={
-        "lr": s.lr, "mini_batches": 1, "micro_batches": 1, "num_learners": 1, "lora_rank": 0,
+        "lr": s.lr, "mini_batches": 1, "micro_batches": 1, "num_learners": 1,
+        "lora_rank": s.lora_rank,
         "seed": s.seed, "loss": cfg.training_cfg.loss.model_copy(update={"kl_coef": 0.0})})
     init_distributed(0, 1, "127.0.0.1", free_port("127.0.0.1"))
     learner = LearnerCore(base, t)

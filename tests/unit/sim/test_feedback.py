@@ -161,3 +161,32 @@ def test_judge_builds_aggregate_per_seed_figures_with_standard_errors():
     assert agg["test"]["p_plus"]["mean"] == pytest.approx(0.1)
     assert agg["settings"]["steps"] == 4
     assert aggregate_builds([info(0, 0.6)])["test"]["balanced_acc_pm"]["stderr"] is None
+
+
+def test_a_judge_builds_held_out_figures_go_on_the_ledger_by_pool():
+    """``ledger_lines``: the validation split is the validation pool, the test split the test
+    pool, seen_wording is not a pool; the judge's figures beside the heuristic's and the
+    reply-only rules'; a figure of a label with no example (None) writes no line."""
+    from clawray.sim.judge_sft import FIGURES, ledger_lines
+
+    def metrics(v):
+        return {"n": 40, **{f: v for f in FIGURES}, "p_zero": None}
+
+    def split(v):
+        return {"judge": metrics(v), "heuristic": metrics(0.5),
+                "reply_rules": {"brief_is_good": metrics(0.45), "detailed_is_good": metrics(0.55)}}
+
+    info = {"recipe": "3", "n_train": 200, "steps": 3, "batch_size": 4, "lr": 5e-4, "m": 3,
+            "eval_temperature": 0.6, "key": "k", "seed": 2, "lora_rank": 16, "threads": 2,
+            "seen_wording": split(0.9), "validation": split(0.8), "test": split(0.7)}
+    lines = ledger_lines(info, "smollm2-135m-instruct")
+    assert {line["experiment"] for line in lines} == {"judge-sft-smollm2-135m-instruct"}
+    assert {line["pool"] for line in lines} == {"validation", "test"}
+    judge_test = {line["metric"]: line["value"] for line in lines
+                  if line["arm"] == "judge" and line["pool"] == "test"}
+    assert judge_test == {f: 0.7 for f in FIGURES if f != "p_zero"}
+    assert {line["arm"] for line in lines} == {"judge", "heuristic", "rule/brief_is_good",
+                                               "rule/detailed_is_good"}
+    assert all(line["seed"] == 2 and line["lora_rank"] == 16 and line["n"] == 40
+               for line in lines)
+    assert {line["experiment"] for line in ledger_lines(info, "embedded")} == {"judge-sft"}

@@ -135,3 +135,25 @@ def test_early_stopping_keeps_the_best_rated_weights_on_the_same_batches(tmp_pat
     assert best_last["selected_step"] == 5 and "last_model" not in best_last
     with pytest.raises(ValueError, match="at least 1"):
         Selection(0, rate)
+
+
+def test_lora_sft_saves_the_merged_model_under_its_own_key(tmp_path, tiny_model_path):
+    """``sft.lora_rank``: only the adapters train, and the saved folder is a plain model with
+    them merged (it loads and serves like the base); the full-weight builds keep their keys."""
+    from clawray.models.loader import load_model
+    from clawray.training.sft import learner_settings, run_sft, sft_key
+
+    full, lora = _cfg(tmp_path), _cfg(tmp_path, lora_rank=4)
+    assert "lora" not in learner_settings(full) and learner_settings(lora)["lora"]["rank"] == 4
+    assert sft_key(tiny_model_path, full) != sft_key(tiny_model_path, lora)
+    # rank 0 is the setting the keys were computed without before the field existed
+    assert sft_key(tiny_model_path, full) == sft_key(tiny_model_path, full.sft(lora_rank=0))
+    result = run_sft(lora, progress=False)
+    assert result.info["nll_last"] < result.info["nll_first"]
+    model, base = load_model(result.path), load_model(tiny_model_path)
+    names = set(model.state_dict())
+    assert names == set(base.state_dict())  # merged: no lora_A / lora_B left
+    changed = {n for n, p in model.state_dict().items() if not (p == base.state_dict()[n]).all()}
+    assert changed and all(n.endswith(".weight") for n in changed)
+    # only the adapted projections move; embeddings and norms are the base's
+    assert not any("embed" in n or "norm" in n for n in changed)

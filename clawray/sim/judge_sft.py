@@ -219,9 +219,27 @@ def judge_accuracy(model_path: str | Path, cfg: ClawRayConfig, examples: list[Ju
                    max_tokens: int = 24) -> dict[str, Any]:
     """``m`` sampled votes per example from the model at ``model_path`` (one engine call with
     ``n=m``, seeded ``seed + i``), majority against the labels (``label_metrics``)."""
-    votes = sampled_votes(model_path, cfg, [build_prm_prompt(e.ctx) for e in examples], m,
-                          temperature, seed, max_tokens, parse_vote)
-    return split_metrics(examples, votes)
+    return judge_accuracies(model_path, cfg, {"": examples}, m, temperature, seed,
+                            max_tokens)[""]
+
+
+def judge_accuracies(model_path: str | Path, cfg: ClawRayConfig,
+                     splits: dict[str, list[JudgeExample]], m: int = 3,
+                     temperature: float = 0.6, seed: int = 0,
+                     max_tokens: int = 24) -> dict[str, dict[str, Any]]:
+    """``judge_accuracy`` of every split on one engine start (a real model's vLLM takes a
+    minute to start); each split's votes are seeded as ``judge_accuracy`` seeds them."""
+    prompts, seeds = [], []
+    for examples in splits.values():
+        prompts += [build_prm_prompt(e.ctx) for e in examples]
+        seeds += [seed + i for i in range(len(examples))]
+    votes = sampled_votes(model_path, cfg, prompts, m, temperature, seed, max_tokens,
+                          parse_vote, seeds=seeds)
+    out, at = {}, 0
+    for name, examples in splits.items():
+        out[name] = split_metrics(examples, votes[at:at + len(examples)])
+        at += len(examples)
+    return out
 
 
 def judge_sft_key(base: Path, cfg: ClawRayConfig, settings: dict[str, Any]) -> str:
@@ -265,14 +283,16 @@ def run_judge_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True
         # off on a real model's hundreds of 600-token prompts); the votes are the same model's
         # either way.
         ev = cfg.copy_with(inference={"engine": eval_engine})
+        judged = judge_accuracies(saved, ev, held_out, m, EVAL_TEMPERATURE, s.seed)
+        # the model it started from (the embedded one writes no verdict box: 0 throughout)
+        before = (judge_accuracies(base, ev, held_out, m, EVAL_TEMPERATURE, s.seed)
+                  if eval_base else {})
         for split, examples in held_out.items():
-            info[split] = {
-                "heuristic": heuristic_accuracy(examples),
-                "reply_rules": reply_rule_accuracy(examples),
-                "judge": judge_accuracy(saved, ev, examples, m, EVAL_TEMPERATURE, s.seed)}
-            if eval_base:  # the model it started from (writes no verdict box: 0 throughout)
-                info[split]["base"] = judge_accuracy(base, ev, examples, m, EVAL_TEMPERATURE,
-                                                     s.seed)
+            info[split] = {"heuristic": heuristic_accuracy(examples),
+                           "reply_rules": reply_rule_accuracy(examples),
+                           "judge": judged[split]}
+            if split in before:
+                info[split]["base"] = before[split]
         return info
 
     return save_result(out, base, history["model"], describe)

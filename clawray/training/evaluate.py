@@ -91,10 +91,14 @@ def held_out_success(trainer: Any, cfg: ClawRayConfig, tasks: list[Any]) -> dict
 
 def sampled_votes(model_path: str | Path, cfg: ClawRayConfig,
                   messages: list[list[dict[str, Any]]], m: int, temperature: float, seed: int,
-                  max_tokens: int, parse: Callable[[str], int | None]) -> list[list[int | None]]:
+                  max_tokens: int, parse: Callable[[str], int | None],
+                  seeds: list[int] | None = None) -> list[list[int | None]]:
     """``m`` sampled answers per judge prompt (``messages[i]``, chat-templated as serving
     templates it) from the model at ``model_path``: one engine call with ``n=m`` per prompt,
-    seeded ``seed + i``, each answer decoded and ``parse``d (None: no verdict)."""
+    seeded ``seed + i`` (or ``seeds[i]``: several sets of prompts on one engine start), each
+    answer decoded and ``parse``d (None: no verdict)."""
+    if seeds is not None and len(seeds) != len(messages):
+        raise ValueError(f"sampled_votes: {len(seeds)} seeds for {len(messages)} prompts")
     tokenizer = load_tokenizer(model_path)
 
     async def main() -> list[list[int | None]]:
@@ -104,7 +108,7 @@ def sampled_votes(model_path: str | Path, cfg: ClawRayConfig,
         async def vote(i: int, prompt: list[dict[str, Any]]) -> list[int | None]:
             ids = render_prompt(tokenizer, prompt, None)
             params = SamplingParams(n=m, temperature=temperature, max_tokens=max_tokens,
-                                    seed=seed + i)
+                                    seed=seed + i if seeds is None else seeds[i])
             async with slots:
                 outs = await engine.generate(ids, params)
             return [parse(tokenizer.decode(o.token_ids, skip_special_tokens=True))

@@ -157,3 +157,24 @@ def test_lora_sft_saves_the_merged_model_under_its_own_key(tmp_path, tiny_model_
     assert changed and all(n.endswith(".weight") for n in changed)
     # only the adapted projections move; embeddings and norms are the base's
     assert not any("embed" in n or "norm" in n for n in changed)
+
+
+def test_sampled_votes_of_several_sets_on_one_engine_are_each_sets_own(tiny_model_path):
+    """``seeds``: prompts of several evaluation sets on one engine start vote as each set
+    voted on an engine of its own (seeded ``seed + i`` within the set)."""
+    from clawray.training.evaluate import sampled_votes
+
+    cfg = ClawRayConfig().inference(engine="hf")
+    first = [[{"role": "user", "content": f"question {i}"}] for i in range(3)]
+    second = [[{"role": "user", "content": f"another {i}"}] for i in range(2)]
+
+    def votes(prompts, **kw):
+        return sampled_votes(tiny_model_path, cfg, prompts, 2, 1.0, 7, 6,
+                             lambda text: len(text), **kw)
+
+    apart = votes(first) + votes(second)
+    together = votes(first + second, seeds=[7, 8, 9, 7, 8])
+    assert together == apart
+    assert len({tuple(v) for v in apart}) > 1  # the votes differ between prompts
+    with pytest.raises(ValueError, match="2 seeds for 5 prompts"):
+        votes(first + second, seeds=[7, 8])

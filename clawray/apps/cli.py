@@ -182,7 +182,7 @@ def cmd_rm_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_judge_sft(args: argparse.Namespace) -> int:
-    from clawray.sim.judge_sft import EVAL_SPLITS, aggregate_builds, run_judge_sft
+    from clawray.sim.judge_sft import EVAL_SPLITS, aggregate_builds, plot_builds, run_judge_sft
 
     cfg = apply_sets(load_config(args.config), args.set).check().apply_log_level()
     _prebuild(cfg)
@@ -206,12 +206,20 @@ def cmd_judge_sft(args: argparse.Namespace) -> int:
         agg = aggregate_builds(infos)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "judge_builds.json").write_text(json.dumps(agg, indent=2) + "\n")
+        plot_builds(agg, args.out / "judge_builds.png")
         for split in (k for k in EVAL_SPLITS if k in agg):
             pm, p, m = (agg[split][f] for f in ("balanced_acc_pm", "p_plus", "p_minus"))
             se = "" if pm["stderr"] is None else f" ± {pm['stderr']:.3f}"
             print(f"clawray judge-sft: {agg['builds']} builds, {split}: ±1 balanced accuracy "
                   f"{pm['mean']:.3f}{se} (min {pm['min']:.3f}; p+ {p['mean']:.2f}, "
                   f"p- {m['mean']:.2f}); {args.out / 'judge_builds.json'}")
+            versus = agg["beside"][split].get("judge_minus_best_reply_rule")
+            if versus and versus["difference"]:
+                d = versus["difference"]
+                se = "" if d["stderr"] is None else f" ± {d['stderr']:.3f}"
+                p_value = "" if versus["p_value"] is None else f", paired p = {versus['p_value']:.2g}"
+                print(f"clawray judge-sft:   minus the better reply-only rule: {d['mean']:+.3f}"
+                      f"{se}{p_value}")
     return 0
 
 

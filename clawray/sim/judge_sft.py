@@ -341,6 +341,83 @@ def aggregate_builds(infos: list[dict[str, Any]]) -> dict[str, Any]:
                     for split in EVAL_SPLITS if split in i}} for i in infos]
     settings = {k: infos[0][k] for k in ("recipe", "n_train", "steps", "batch_size", "lr",
                                          "n_eval", "m", "eval_temperature")}
+    settings.update({k: infos[0][k] for k in ("lora_rank", "threads") if infos[0].get(k)})
+    splits = [split for split in EVAL_SPLITS if all(split in p for p in per_seed)]
     return {"settings": settings, "seeds": per_seed, "builds": len(per_seed),
             **{split: {f: seed_stats(p[split][f] for p in per_seed) for f in FIGURES}
-               for split in EVAL_SPLITS if all(split in p for p in per_seed)}}
+               for split in splits},
+            "beside": {split: beside(infos, split) for split in splits}}
+
+
+def beside(infos: list[dict[str, Any]], split: str) -> dict[str, Any]:
+    """What the judge is compared with on ``split``'s examples, over the builds: ±1 balanced
+    accuracy of the keyword rule judge, of each rule that reads only the reply, and of the
+    model the judge started from (where measured), each ``seed_stats``; and the judge minus
+    the better reply-only rule of each build, paired by seed (``paired_difference``)."""
+    from clawray.stats import paired_difference
+
+    def pm(info: dict[str, Any], *path: str) -> float | None:
+        node: Any = info[split]
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        return node.get("balanced_acc_pm") if isinstance(node, dict) else None
+
+    names = {"heuristic": ("heuristic",), "base": ("base",)} | {
+        f"rule/{r}": ("reply_rules", r) for r in sorted(infos[0][split].get("reply_rules", {}))}
+    out: dict[str, Any] = {}
+    for name, path in names.items():
+        values = [pm(i, *path) for i in infos]
+        if values and None not in values:
+            out[name] = seed_stats(values)
+    rules = [[pm(i, "reply_rules", r) for r in infos[0][split].get("reply_rules", {})]
+             for i in infos]
+    if rules and all(r and None not in r for r in rules):
+        judge = {i["seed"]: i[split]["judge"]["balanced_acc_pm"] for i in infos}
+        best = {i["seed"]: max(r) for i, r in zip(infos, rules)}
+        if None not in judge.values():
+            out["judge_minus_best_reply_rule"] = paired_difference(judge, best)
+    return out
+
+
+def plot_builds(agg: dict[str, Any], path: Path) -> Path:
+    """Bars of ±1 balanced accuracy per held-out split: the judge (mean ± s.e. over builds,
+    each build a dot), the better reply-only rule, the keyword judge and the base model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    splits = [s for s in EVAL_SPLITS if s in agg]
+    who = [("judge", "the judge"), ("rules", "a rule on the reply alone (the better one)"),
+           ("heuristic", "keyword judge"), ("base", "the model it started from")]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.8 / len(who)
+    for k, (key, label) in enumerate(who):
+        xs, ys, es = [], [], []
+        for j, split in enumerate(splits):
+            side = agg["beside"][split]
+            if key == "judge":
+                st = agg[split]["balanced_acc_pm"]
+                ax.scatter([j + (k - 1.5) * width] * len(agg["seeds"]),
+                           [p[split]["balanced_acc_pm"] for p in agg["seeds"]], s=10,
+                           color="black", zorder=3)
+            elif key == "rules":
+                rules = [v for n, v in side.items() if n.startswith("rule/")]
+                st = max(rules, key=lambda r: r["mean"]) if rules else None
+            else:
+                st = side.get(key)
+            if st is not None:
+                xs.append(j + (k - 1.5) * width)
+                ys.append(st["mean"])
+                es.append(st["stderr"] or 0.0)
+        ax.bar(xs, ys, width, yerr=es, capsize=3, label=label)
+    ax.axhline(0.5, color="grey", lw=0.8, ls=":")
+    ax.set(xticks=range(len(splits)), ylim=(0, 1), ylabel="±1 balanced accuracy (p₊ + p₋) / 2",
+           xticklabels=[s.replace("_", " ") + (" = the users'" if s == "test" else "")
+                        for s in splits],
+           title=f"clawray judge-sft: {agg['builds']} builds, held-out wording")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

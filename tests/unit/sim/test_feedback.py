@@ -163,6 +163,38 @@ def test_judge_builds_aggregate_per_seed_figures_with_standard_errors():
     assert aggregate_builds([info(0, 0.6)])["test"]["balanced_acc_pm"]["stderr"] is None
 
 
+def test_judge_builds_stand_beside_the_rules_that_read_only_the_reply(tmp_path):
+    """``aggregate_builds``' ``beside``: the keyword judge, each reply-only rule and the base
+    model over the builds, and the judge minus each build's better reply-only rule, paired
+    by seed; ``plot_builds`` draws them."""
+    from clawray.sim.judge_sft import FIGURES, aggregate_builds, plot_builds
+
+    def info(seed, judge, brief, base=None):
+        def m(v):
+            return {f: v for f in FIGURES}
+        split = {"judge": m(judge), "heuristic": m(0.0),
+                 "reply_rules": {"brief_is_good": m(brief), "detailed_is_good": m(1 - brief)}}
+        if base is not None:
+            split["base"] = m(base)
+        return {"seed": seed, "key": f"k{seed}", "train_s": 1.0, "recipe": "3", "n_train": 9,
+                "steps": 2, "batch_size": 2, "lr": 1e-3, "n_eval": 9, "m": 3,
+                "eval_temperature": 0.6, "lora_rank": 16, "test": split}
+
+    agg = aggregate_builds([info(0, 0.9, 0.4), info(1, 0.8, 0.55), info(2, 0.85, 0.5)])
+    side = agg["beside"]["test"]
+    assert side["heuristic"]["mean"] == 0.0 and "base" not in side
+    assert side["rule/brief_is_good"]["mean"] == pytest.approx((0.4 + 0.55 + 0.5) / 3)
+    versus = side["judge_minus_best_reply_rule"]
+    # the better rule per build: 0.6, 0.55, 0.5 -> differences 0.3, 0.25, 0.35
+    assert versus["seeds"] == [0, 1, 2]
+    assert versus["difference"]["mean"] == pytest.approx(0.3)
+    assert versus["shown"] is True and versus["p_value"] < 0.05
+    assert agg["settings"]["lora_rank"] == 16
+    with_base = aggregate_builds([info(0, 0.8, 0.4, base=0.1), info(1, 0.7, 0.5, base=0.0)])
+    assert with_base["beside"]["test"]["base"]["mean"] == pytest.approx(0.05)
+    assert plot_builds(agg, tmp_path / "b.png").stat().st_size > 0
+
+
 def test_a_judge_builds_held_out_figures_go_on_the_ledger_by_pool():
     """``ledger_lines``: the validation split is the validation pool, the test split the test
     pool, seen_wording is not a pool; the judge's figures beside the heuristic's and the

@@ -50,6 +50,11 @@ JUDGE = "heuristic"
 # (docs/training.md): `clawray judge-sft --set sft.steps=400 --set sft.batch_size=32
 # --train 4000`
 JUDGE_SFT = {"sft": {"steps": 400, "batch_size": 32}, "n_train": 4000}
+# The same for a real pretrained model (docs/training.md, "A pretrained judge"): LoRA on the
+# model's own English, 48 steps of 4 rows, two torch threads, evaluated on vLLM (~17 min on
+# 2 cores for SmolLM2-135M; not chosen on validation: the first and only setting tried).
+JUDGE_SFT_REAL = {"sft": {"steps": 48, "batch_size": 4, "lr": 5e-4, "lora_rank": 16},
+                  "n_train": 2000, "n_eval": 150, "threads": 2, "eval_engine": "vllm"}
 EVAL_POOL = "test"  # held-out requests (clawray/sim/users.py POOLS): no training user sends them
 SEED = 0
 # A real pretrained model (`--model bundled:smollm2` or a folder) instead of the embedded one:
@@ -132,11 +137,14 @@ def with_judge(cfg: ClawRayConfig, judge: str, log: Any = print) -> ClawRayConfi
     t0 = time.monotonic()
     # The judge's own settings on the default learner (not the demo's): the same cache entry
     # as `clawray judge-sft` with JUDGE_SFT's settings, whose evaluation is reported.
+    recipe = JUDGE_SFT_REAL if is_real_model(cfg) else JUDGE_SFT
     judge_cfg = ClawRayConfig.from_dict({"model": cfg.to_dict()["model"],
-                                         "sft": JUDGE_SFT["sft"]})
+                                         "sft": recipe["sft"]})
     log("clawray demo: the judge model is `clawray judge-sft` with the demo's settings "
-        "(built once, about 25 min on 2 cores, then cached)")
-    built = run_judge_sft(judge_cfg, progress=True, n_train=JUDGE_SFT["n_train"])
+        f"(built once, about {17 if recipe is JUDGE_SFT_REAL else 25} min on 2 cores, then "
+        "cached)")
+    built = run_judge_sft(judge_cfg, progress=True,
+                          **{k: v for k, v in recipe.items() if k != "sft"})
     test = built.info["test"]["judge"]
     log(f"clawray demo: judge model {built.path} ({'cached' if built.cached else 'trained'} in "
         f"{time.monotonic() - t0:.0f} s): on held-out wording, balanced accuracy "

@@ -41,6 +41,36 @@ def test_the_demo_judge_decides_how_its_users_word_their_reactions():
         with_judge(ClawRayConfig(), "oracle")
 
 
+def test_a_real_models_judge_model_is_the_lora_recipe_of_judge_sft(monkeypatch, tmp_path):
+    """``--judge model`` builds the judge from the policy's model: the embedded model by the
+    full-weight recipe, a real model by LoRA (JUDGE_SFT_REAL), the key `clawray judge-sft`
+    with those settings gives; the JudgeServer then serves the build."""
+    from clawray.apps import demo
+    from clawray.config import ClawRayConfig
+    from clawray.sim import judge_sft
+    from clawray.training.sft import SFTResult
+
+    calls = []
+
+    def fake(cfg, **kwargs):
+        calls.append((cfg, kwargs))
+        figures = {f: 0.5 for f in judge_sft.FIGURES}
+        return SFTResult(tmp_path / "judge", True, {"test": {"judge": figures}})
+
+    monkeypatch.setattr(judge_sft, "run_judge_sft", fake)
+    real = demo.with_judge(ClawRayConfig().model(path="/models/smol"), "model", log=lambda m: None)
+    embedded = demo.with_judge(ClawRayConfig(), "model", log=lambda m: None)
+    (real_cfg, real_kw), (tiny_cfg, tiny_kw) = calls
+    assert real_cfg.sft_cfg.lora_rank == 16 and real_cfg.sft_cfg.steps == 48
+    assert real_kw["threads"] == 2 and real_kw["eval_engine"] == "vllm"
+    assert tiny_cfg.sft_cfg.lora_rank == 0 and tiny_cfg.sft_cfg.steps == 400
+    assert tiny_kw == {"n_train": 4000, "progress": True}
+    assert real_cfg.model_cfg.path == "/models/smol"
+    for cfg in (real, embedded):
+        assert cfg.judge_cfg.backend == "server"
+        assert cfg.judge_cfg.model_path == str(tmp_path / "judge")
+
+
 def test_arms_are_compared_to_the_trained_one_seed_by_seed(tmp_path):
     from scipy import stats
 

@@ -699,8 +699,9 @@ def main(argv: list[str] | None = None) -> int:
                            help="heuristic (default): the keyword rule judge, which reads "
                            "only the user's next message (the users speak its keywords); "
                            "model: the judge model of clawray judge-sft on a JudgeServer "
-                           "(built once, ~25 min on 2 cores; not shown to read feedback: "
-                           "docs/training.md)")
+                           "(built once and cached: ~25 min on 2 cores for the embedded "
+                           "model, which does not learn to read feedback; ~17 min by LoRA "
+                           "for a real model: docs/training.md)")
             p.add_argument("--preference", choices=sorted(PREFERENCES),
                            help="what the simulated users want (their hidden preference; "
                            "default brief, for a real model concise)")

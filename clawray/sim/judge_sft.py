@@ -390,7 +390,7 @@ def plot_builds(agg: dict[str, Any], path: Path) -> Path:
     splits = [s for s in EVAL_SPLITS if s in agg]
     who = [("judge", "the judge"), ("rules", "a rule on the reply alone (the better one)"),
            ("heuristic", "keyword judge"), ("base", "the model it started from")]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(8, 4.8))
     width = 0.8 / len(who)
     for k, (key, label) in enumerate(who):
         xs, ys, es = [], [], []
@@ -410,13 +410,17 @@ def plot_builds(agg: dict[str, Any], path: Path) -> Path:
                 xs.append(j + (k - 1.5) * width)
                 ys.append(st["mean"])
                 es.append(st["stderr"] or 0.0)
+        if not xs:  # not measured (the base model with --no-base)
+            continue
         ax.bar(xs, ys, width, yerr=es, capsize=3, label=label)
+        for x, y in zip(xs, ys):  # the mean, beside its bar (the builds' dots sit on it)
+            ax.text(x + width / 2, y + 0.01, f"{y:.2f}", ha="left", fontsize=7)
     ax.axhline(0.5, color="grey", lw=0.8, ls=":")
-    ax.set(xticks=range(len(splits)), ylim=(0, 1), ylabel="±1 balanced accuracy (p₊ + p₋) / 2",
+    ax.set(xticks=range(len(splits)), ylim=(0, 1.08), ylabel="±1 balanced accuracy (p₊ + p₋) / 2",
            xticklabels=[s.replace("_", " ") + (" = the users'" if s == "test" else "")
                         for s in splits],
            title=f"clawray judge-sft: {agg['builds']} builds, held-out wording")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -195,12 +195,12 @@ def cmd_judge_sft(args: argparse.Namespace) -> int:
         _print_judge_build(result)
         if not result.cached:  # a fresh build's held-out evaluations go on the ledger
             from clawray import ledger
+            from clawray.apps.demo import is_real_model
             from clawray.models.loader import policy_model_info
             from clawray.sim.judge_sft import ledger_lines
 
-            real = not str(cfg.model_cfg.path or "embedded:").startswith("embedded:")
             ledger.record_lines(ledger_lines(result.info, policy_model_info(cfg).name
-                                             if real else "embedded"))
+                                             if is_real_model(cfg) else "embedded"))
         infos.append(result.info)
     if args.out is not None:
         agg = aggregate_builds(infos)

@@ -214,21 +214,14 @@ def heuristic_accuracy(examples: list[JudgeExample]) -> dict[str, Any]:
                                     for e in examples])
 
 
-def judge_accuracy(model_path: str | Path, cfg: ClawRayConfig, examples: list[JudgeExample],
-                   m: int = 3, temperature: float = 0.6, seed: int = 0,
-                   max_tokens: int = 24) -> dict[str, Any]:
-    """``m`` sampled votes per example from the model at ``model_path`` (one engine call with
-    ``n=m``, seeded ``seed + i``), majority against the labels (``label_metrics``)."""
-    return judge_accuracies(model_path, cfg, {"": examples}, m, temperature, seed,
-                            max_tokens)[""]
-
-
 def judge_accuracies(model_path: str | Path, cfg: ClawRayConfig,
                      splits: dict[str, list[JudgeExample]], m: int = 3,
                      temperature: float = 0.6, seed: int = 0,
                      max_tokens: int = 24) -> dict[str, dict[str, Any]]:
-    """``judge_accuracy`` of every split on one engine start (a real model's vLLM takes a
-    minute to start); each split's votes are seeded as ``judge_accuracy`` seeds them."""
+    """Per split, ``m`` sampled votes per example from the model at ``model_path`` (one
+    engine call with ``n=m``, seeded ``seed + i`` within the split), majority against the
+    labels (``split_metrics``); every split on one engine start (a real model's vLLM takes a
+    minute to start)."""
     prompts, seeds = [], []
     for examples in splits.values():
         prompts += [build_prm_prompt(e.ctx) for e in examples]
@@ -362,20 +355,16 @@ def beside(infos: list[dict[str, Any]], split: str) -> dict[str, Any]:
             node = node.get(key) if isinstance(node, dict) else None
         return node.get("balanced_acc_pm") if isinstance(node, dict) else None
 
+    rule_names = sorted(infos[0][split].get("reply_rules", {}))
     names = {"heuristic": ("heuristic",), "base": ("base",)} | {
-        f"rule/{r}": ("reply_rules", r) for r in sorted(infos[0][split].get("reply_rules", {}))}
-    out: dict[str, Any] = {}
-    for name, path in names.items():
-        values = [pm(i, *path) for i in infos]
-        if values and None not in values:
-            out[name] = seed_stats(values)
-    rules = [[pm(i, "reply_rules", r) for r in infos[0][split].get("reply_rules", {})]
-             for i in infos]
-    if rules and all(r and None not in r for r in rules):
-        judge = {i["seed"]: i[split]["judge"]["balanced_acc_pm"] for i in infos}
-        best = {i["seed"]: max(r) for i, r in zip(infos, rules)}
-        if None not in judge.values():
-            out["judge_minus_best_reply_rule"] = paired_difference(judge, best)
+        f"rule/{r}": ("reply_rules", r) for r in rule_names}
+    values = {name: [pm(i, *path) for i in infos] for name, path in names.items()}
+    out: dict[str, Any] = {name: seed_stats(v) for name, v in values.items() if None not in v}
+    rules = [f"rule/{r}" for r in rule_names]
+    judge = {i["seed"]: i[split]["judge"]["balanced_acc_pm"] for i in infos}
+    if rules and all(r in out for r in rules) and None not in judge.values():
+        best = {i["seed"]: max(values[r][k] for r in rules) for k, i in enumerate(infos)}
+        out["judge_minus_best_reply_rule"] = paired_difference(judge, best)
     return out
 
 

@@ -192,9 +192,14 @@ def headline(lines: Iterable[dict[str, Any]], experiments: dict[str, str] | None
         plain = next((a for a in arms if a.endswith(TRAINED_ARM)), None)
 
         def trained_of(arm: str) -> str | None:
-            return f"{mode}/{arm.rpartition('/')[2]}" if mode is not None else plain
+            if mode is not None:
+                return f"{mode}/{arm.rpartition('/')[2]}"
+            # "<judge>/<control>": its own judge's trained arm where that ran
+            own = arm.rpartition("/")[0] + TRAINED_ARM
+            return own if own in arms else plain
 
-        arms.sort(key=lambda a: (a.rpartition("/")[2] if mode else "", a != trained_of(a), a))
+        arms.sort(key=lambda a: (a.rpartition("/")[2] if mode else a.rpartition("/")[0],
+                                 a != trained_of(a), a))
         for arm in arms:
             trained = trained_of(arm)
             change = cells[(name, arm, f"{metric}_change")]

@@ -127,6 +127,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return run_per_user_demo(cfg, Path(args.out), args.seeds or [args.seed],
                                  modes=tuple(args.modes), eval_pool=args.eval_pool,
                                  judge=args.judge, **extra)
+    if args.combine:
+        from clawray.apps.demo import combine_demo, compare_arms, print_arms, print_compared
+
+        aggs = combine_demo([Path(p) for p in args.combine], Path(args.out))
+        print_arms(aggs, Path(args.out), nested=True)
+        print_compared(compare_arms(aggs))
+        return 0
     if args.seeds:
         from clawray.apps.demo import run_demo_seeds
 
@@ -729,8 +736,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--arms", nargs="+", default=["nogate", "gate"],
                            choices=["nogate", "gate"], help="--gate: without / with the gate")
             p.add_argument("--combine", nargs="+", metavar="DIR",
-                           help="--gate, --per-user: combine runs made one by one (their --out "
-                                "folders) into OUT's aggregate and plot")
+                           help="combine runs made one by one (their --out folders; also with "
+                                "--gate, --per-user) into OUT's aggregate and plot")
             p.add_argument("--on-reject", default="restart", choices=["restart", "keep_line"],
                            help="--gate: a rejected candidate abandons its line (restart) or "
                                 "the trainer's line goes on (keep_line)")

@@ -392,6 +392,12 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
         if value is not None:
             ledger.record(experiment, arm, seed, eval_pool, metric, value, n=n,
                           iterations=iterations)
+    live_judge = live_judge_agreement(out)
+    if live_judge is not None:
+        log(f"clawray demo: the judge's rewards on the live turns against what each user "
+            f"wanted: p+ {_share(live_judge['p_plus'])}, p- {_share(live_judge['p_minus'])} "
+            f"({live_judge['n_plus']} satisfying and {live_judge['n_minus']} unsatisfying "
+            "judged replies)")
     summary = {
         "seed": seed, "iterations": iterations, "users": users, "lockstep": lockstep,
         "control": control, "experiment": experiment, "arm": arm, "preference": preference,
@@ -407,6 +413,7 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
         "reward_by_step": [r.get("reward_mean") for r in results],
         "samples_trained": sum(r.get("samples", 0) for r in results),
         "judging": judging,
+        "live_judge": live_judge,
         "user_errors": pool.errors(),
         "eval_errors": before.errors + after.errors,
         "seconds": round(time.monotonic() - started, 1),
@@ -414,6 +421,46 @@ def run_learning(cfg: ClawRayConfig, base_url: str, api_key: str, model: str, ou
     plot_progress(summary, out / "progress.png")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def live_judge_agreement(run: Path) -> dict[str, Any] | None:
+    """The judge's rewards on a run's live turns against what each user wanted (the hidden
+    preference the judge never sees): among judged turns whose reply met its user's preference,
+    ``p_plus`` is the share rewarded above 0; among those that did not, ``p_minus`` the share
+    rewarded below 0; ``balanced`` their mean (None where a side has no turn). A judge that
+    reads the feedback scores high; one reading another turn's feedback (``shuffled_feedback``)
+    near 0.5 or below (a 0 counts as a miss on both sides).
+
+    Joins ``run/interactions.jsonl`` (each turn's reply and whether it met the preference) with
+    the run's sample log ``run/samples`` (each judged turn's reward) by response id. None
+    without both files or without a judged turn."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    segments = sorted((run / "samples").glob("seg-*.parquet"))
+    interactions = run / "interactions.jsonl"
+    if not segments or not interactions.exists():
+        return None
+    satisfied = {}
+    for line in interactions.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("response_id") and rec.get("satisfied") is not None:
+            satisfied[rec["response_id"]] = bool(rec["satisfied"])
+    rows = pa.concat_tables([pq.read_table(s, columns=["sample_id", "judge_status", "reward"])
+                             for s in segments]).to_pylist()
+    hits = {True: [], False: []}
+    for r in rows:
+        met = satisfied.get(r["sample_id"].split("/")[0])
+        if r["judge_status"] == "judged" and r["reward"] is not None and met is not None:
+            hits[met].append(r["reward"] > 0 if met else r["reward"] < 0)
+    if not hits[True] and not hits[False]:
+        return None
+    p_plus = sum(hits[True]) / len(hits[True]) if hits[True] else None
+    p_minus = sum(hits[False]) / len(hits[False]) if hits[False] else None
+    both = [p for p in (p_plus, p_minus) if p is not None]
+    return {"p_plus": p_plus, "p_minus": p_minus, "n_plus": len(hits[True]),
+            "n_minus": len(hits[False]),
+            "balanced": sum(both) / 2 if len(both) == 2 else None}
 
 
 def _share(x: float | None) -> str:
@@ -499,7 +546,9 @@ def aggregate_demo_seeds(summaries: list[dict[str, Any]]) -> dict[str, Any]:
                  "per_type_before": s["before"]["per_type"],
                  "per_type_after": s["after"]["per_type"],
                  "on_topic_before": s["before"].get("on_topic"),
-                 "on_topic_after": s["after"].get("on_topic")} for s in summaries]
+                 "on_topic_after": s["after"].get("on_topic"),
+                 "live_judge": (s.get("live_judge") or {}).get("balanced")}
+                for s in summaries]
 
     def stat(key: str) -> dict[str, float | None] | None:
         values = [p[key] for p in per_seed if p[key] is not None]
@@ -508,6 +557,7 @@ def aggregate_demo_seeds(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     return {"seeds": per_seed, "runs": len(per_seed), "before": stat("before"),
             "after": stat("after"), "rise": stat("rise"),
             "on_topic_before": stat("on_topic_before"), "on_topic_after": stat("on_topic_after"),
+            "live_judge": stat("live_judge"),
             "rose_in": sum(p["rise"] > 0 for p in per_seed),
             "eval_pool": summaries[0].get("eval_pool"), "iterations": summaries[0]["iterations"],
             "users": summaries[0]["users"]}
@@ -622,22 +672,39 @@ def run_demo_seeds(cfg: ClawRayConfig, out: Path, seeds: list[int],
             plot_demo_seeds(agg, where / "demo_seeds.png")
         if len(controls) > 1:  # the arms compared on the seeds all of them finished
             write_arms(aggs, out)
-    for control, agg in aggs.items():
-        where = out / control if len(controls) > 1 else out
-        b, a, r = agg["before"], agg["after"], agg["rise"]
-        se = "" if r["stderr"] is None else f" ± {r['stderr']:.1%} (s.e.)"
-        print(f"clawray demo [{control}]: {agg['runs']} seed{'s' * (agg['runs'] > 1)} on the "
-              f"held-out pool: {b['mean']:.1%} → {a['mean']:.1%}, rise {r['mean']:+.1%}{se}, "
-              f"rose in {agg['rose_in']} of {agg['runs']}; {where / 'demo_seeds.png'}")
-        if is_real_model(cfg) and agg["on_topic_before"] and agg["on_topic_after"]:
-            print(f"clawray demo [{control}]: replies naming their request's topic "
-                  f"{agg['on_topic_before']['mean']:.1%} → {agg['on_topic_after']['mean']:.1%}")
+    print_arms(aggs, out)
     errors = any(p.get("user_errors") for a in aggs.values() for p in a["seeds"])
     if list(controls) == ["none"]:  # the trained arm alone: it should have risen in every seed
         return 0 if aggs["none"]["rose_in"] == aggs["none"]["runs"] and not errors else 1
     if len(controls) == 1:  # a control alone: what it did is a finding, not a failure
         return 1 if errors else 0
-    compared = write_arms(aggs, out)
+    print_compared(write_arms(aggs, out))
+    # A control that learned too is a finding, printed above, not a failure of the command.
+    return 1 if errors else 0
+
+
+def print_arms(aggs: dict[str, dict[str, Any]], out: Path, nested: bool | None = None) -> None:
+    """Each arm's mean before → after over its seeds, its topic share (where any reply named
+    its topic: the embedded model's canned replies never do) and how its judge's rewards on the
+    live turns agreed with what the users wanted, where measured. ``nested``: each arm's files
+    are in ``out/<control>`` (default: with more than one arm)."""
+    nested = len(aggs) > 1 if nested is None else nested
+    for control, agg in aggs.items():
+        where = out / control if nested else out
+        b, a, r = agg["before"], agg["after"], agg["rise"]
+        se = "" if r["stderr"] is None else f" ± {r['stderr']:.1%} (s.e.)"
+        print(f"clawray demo [{control}]: {agg['runs']} seed{'s' * (agg['runs'] > 1)} on the "
+              f"held-out pool: {b['mean']:.1%} → {a['mean']:.1%}, rise {r['mean']:+.1%}{se}, "
+              f"rose in {agg['rose_in']} of {agg['runs']}; {where / 'demo_seeds.png'}")
+        if (agg.get("on_topic_before") or {}).get("mean") and agg.get("on_topic_after"):
+            print(f"clawray demo [{control}]: replies naming their request's topic "
+                  f"{agg['on_topic_before']['mean']:.1%} → {agg['on_topic_after']['mean']:.1%}")
+        if agg.get("live_judge"):
+            print(f"clawray demo [{control}]: the judge's rewards on the live turns against "
+                  f"what the users wanted: balanced accuracy {agg['live_judge']['mean']:.2f}")
+
+
+def print_compared(compared: dict[str, Any]) -> None:
     for control, c in compared.items():
         d = c["difference"]
         if len(c["seeds"]) < 2:  # nothing to test yet: say what would
@@ -649,5 +716,49 @@ def run_demo_seeds(cfg: ClawRayConfig, out: Path, seeds: list[int],
         print(f"clawray demo: trained − {control}: {d['mean']:+.1%} ± {d['stderr'] or 0:.1%} "
               f"over seeds {c['seeds']} (paired t-test p = {p}): "
               f"{'shown' if c['shown'] else 'NOT shown'}")
-    # A control that learned too is a finding, printed above, not a failure of the command.
-    return 1 if errors else 0
+
+
+def combine_demo(runs: list[Path], out: Path) -> dict[str, dict[str, Any]]:
+    """Runs made one by one (``--out`` folders of ``clawray demo --seeds``: ``seed<k>/`` or
+    ``<control>/seed<k>/``) into ``out``: each arm's ``demo_seeds.json`` and ``.png``
+    (``out/<control>/``) and, with more than one arm, ``demo_arms.json`` and ``.png``. A run
+    whose summary predates ``live_judge`` gets it from its folder (``live_judge_agreement``).
+    Refused: a seed and arm met twice (the first registered run is the one reported; the
+    ledger lists both), and runs of another experiment, judge or pool. Returns the arms'
+    aggregates."""
+    summaries: dict[str, list[dict[str, Any]]] = {}
+    seen: dict[tuple[str, int], Path] = {}
+    setting: tuple[Any, ...] | None = None
+    for folder in runs:
+        found = sorted(folder.glob("seed*/summary.json")) + sorted(
+            folder.glob("*/seed*/summary.json"))
+        if not found:
+            raise ValueError(f"{folder}: no runs (seed<k>/summary.json or "
+                             "<control>/seed<k>/summary.json)")
+        for path in found:
+            s = json.loads(path.read_text())
+            key = (s["control"], s["seed"])
+            if key in seen:
+                raise ValueError(f"{path}: {s['control']} seed {s['seed']} is also "
+                                 f"{seen[key]}; combine one run per seed and arm")
+            seen[key] = path
+            this = (s.get("experiment"), s.get("judge"), s.get("eval_pool"))
+            if setting is not None and this != setting:
+                raise ValueError(f"{path}: experiment, judge and pool {this} differ from "
+                                 f"{setting}; combine runs of one setting")
+            setting = this
+            if s.get("live_judge") is None:
+                s["live_judge"] = live_judge_agreement(path.parent)
+            summaries.setdefault(s["control"], []).append(s)
+    order = sorted(summaries, key=lambda c: (c != "none", CONTROLS.index(c)))
+    aggs = {}
+    for control in order:
+        agg = aggs[control] = aggregate_demo_seeds(sorted(summaries[control],
+                                                          key=lambda s: s["seed"]))
+        where = out / control
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "demo_seeds.json").write_text(json.dumps(agg, indent=2))
+        plot_demo_seeds(agg, where / "demo_seeds.png")
+    if len(aggs) > 1:
+        write_arms(aggs, out)
+    return aggs

@@ -85,6 +85,14 @@ def _before_after(path, experiment, arm, seed, before, after):
         ledger.record(**line, path=path)
 
 
+def _headline_rows(path, experiment, rises, before):
+    """The headline's rows of ``experiment`` whose arms rose by ``rises`` (arm: per seed)."""
+    for arm, values in rises.items():
+        for seed, rise in enumerate(values):
+            _before_after(path, experiment, arm, seed, before, before + rise)
+    return ledger.headline(ledger.read(path), {experiment: "e"}).splitlines()[2:]
+
+
 def test_the_headline_pairs_each_control_with_the_trained_arm_by_seed(tmp_path):
     path = tmp_path / "l.jsonl"
     rises = {"j/none": [0.5, 0.6, 0.4], "j/shuffled_feedback": [0.1, 0.0, 0.05]}
@@ -128,10 +136,7 @@ def test_groups_of_users_pair_each_mode_with_the_trained_mode_within_the_group(t
     rises = {"per_user/brief": [0.3, 0.2, 0.25], "per_user_shuffled/brief": [0.0, 0.05, 0.0],
              "per_user/detailed": [0.1, 0.1, 0.05], "per_user_shuffled/detailed": [0.1, 0.0, 0.0],
              "shared/brief": [-0.1]}  # one seed: no pairing
-    for arm, values in rises.items():
-        for seed, rise in enumerate(values):
-            _before_after(path, "pu", arm, seed, 0.1, 0.1 + rise)
-    rows = ledger.headline(ledger.read(path), {"pu": "per user"}).splitlines()[2:]
+    rows = _headline_rows(path, "pu", rises, 0.1)
     assert [r.split(" | ")[1] for r in rows] == [
         "per_user/brief", "per_user_shuffled/brief", "shared/brief", "per_user/detailed",
         "per_user_shuffled/detailed"]
@@ -140,3 +145,20 @@ def test_groups_of_users_pair_each_mode_with_the_trained_mode_within_the_group(t
     assert "| +23.3 ± 4.4 (p = 0.0339, shown) |" in rows[1]
     assert rows[2].endswith("| — |")  # a single seed cannot be paired
     assert "not shown" in rows[4]  # detailed: 0.0, 0.1, 0.05
+
+
+def test_two_judges_in_one_experiment_pair_each_control_with_its_own_judges_trained_arm(
+        tmp_path):
+    path = tmp_path / "l.jsonl"
+    rises = {"keyword/none": [0.7, 0.7, 0.7], "keyword/shuffled_feedback": [0.0, 0.1, 0.0],
+             "model/none": [0.3, 0.4, 0.5], "model/shuffled_feedback": [0.0, 0.0, 0.1],
+             "model/reply_hidden": [0.3, 0.3, 0.3]}
+    rows = _headline_rows(path, "exp", rises, 0.2)
+    assert [r.split(" | ")[1] for r in rows] == [
+        "keyword/none", "keyword/shuffled_feedback", "model/none", "model/reply_hidden",
+        "model/shuffled_feedback"]
+    assert rows[0].endswith("| — |") and rows[2].endswith("| — |")  # each judge's trained arm
+    # keyword: differences 0.7, 0.6, 0.7 against its own trained arm, not the model judge's
+    assert "| +66.7 ± 3.3 (p = 0.00" in rows[1]
+    # model: differences 0.3, 0.4, 0.4 against the shuffled control
+    assert "| +36.7 ± 3.3 (p = 0.00" in rows[4]

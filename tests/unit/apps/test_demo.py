@@ -238,3 +238,92 @@ def test_a_real_models_experiment_names_its_kl_weight_the_embedded_ones_do_not()
     assert experiment_name(real.copy_with(training={"loss": {"kl_coef": 0.1}}), True,
                            "concise", "smollm2-135m-instruct") == \
         "demo-lockstep-concise-smollm2-135m-instruct-kl0.1"
+
+
+def write_run(run, turns, *, judged_sample_rows=None):
+    """A run folder as ``run_learning`` leaves it: ``interactions.jsonl`` (whether each reply
+    met its user's preference) and a sample-log segment (each turn's judge status and reward).
+    ``turns``: (response id, satisfied, judge status, reward)."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (run / "samples").mkdir(parents=True)
+    with open(run / "interactions.jsonl", "w") as f:
+        for rid, met, _, _ in turns:
+            f.write(json.dumps({"response_id": rid, "satisfied": met}) + "\n")
+    pq.write_table(pa.table({"sample_id": [f"{rid}/rl" for rid, *_ in turns],
+                             "judge_status": [s for *_, s, _ in turns],
+                             "reward": [r for *_, r in turns]}),
+                   run / "samples" / "seg-000000000000.parquet")
+
+
+def test_the_live_judges_rewards_are_scored_against_what_each_user_wanted(tmp_path):
+    from clawray.apps.demo import live_judge_agreement
+
+    assert live_judge_agreement(tmp_path) is None  # no sample log: nothing to say
+    write_run(tmp_path, [("a", True, "judged", 1.0), ("b", True, "judged", 1.0),
+                         ("c", True, "judged", 0.0),  # a neutral verdict misses on both sides
+                         ("d", True, "judged", -1.0), ("e", False, "judged", -1.0),
+                         ("f", False, "judged", 0.3333),  # a split vote above 0: a miss
+                         ("g", False, "no_next_state", 0.0),  # not judged: left out
+                         ("h", True, "no_next_state", 0.0)])
+    got = live_judge_agreement(tmp_path)
+    assert (got["n_plus"], got["n_minus"]) == (4, 2)
+    assert got["p_plus"] == pytest.approx(0.5) and got["p_minus"] == pytest.approx(0.5)
+    assert got["balanced"] == pytest.approx(0.5)
+
+
+def test_one_sided_live_turns_have_no_balanced_accuracy(tmp_path):
+    from clawray.apps.demo import live_judge_agreement
+
+    write_run(tmp_path, [("a", True, "judged", 1.0), ("b", True, "judged", -1.0)])
+    got = live_judge_agreement(tmp_path)
+    assert got["p_plus"] == 0.5 and got["p_minus"] is None and got["balanced"] is None
+
+
+def test_runs_made_one_by_one_combine_into_the_arms_compared_and_refuse_doubles(tmp_path):
+    import json
+
+    from clawray.apps.demo import combine_demo
+
+    def run(folder, control, seed, after, pool="test"):
+        where = folder / control / f"seed{seed}"
+        # the trained arm's judge agrees with the users; the shuffled one's does not
+        good = control == "none"
+        write_run(where, [("a", True, "judged", 1.0 if good else -1.0),
+                          ("b", False, "judged", -1.0)])
+        s = {**summary(seed, 0.2, after), "control": control, "experiment": "demo-x",
+             "judge": "server J", "eval_pool": pool}
+        (where / "summary.json").write_text(json.dumps(s))
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    for seed, (trained, shuffled) in enumerate(((0.8, 0.2), (0.7, 0.25))):
+        run(first, "none", seed, trained)
+        run(first, "shuffled_feedback", seed, shuffled)
+    run(second, "shuffled_feedback", 2, 0.15)
+    run(second, "none", 2, 0.9)
+    out = tmp_path / "out"
+    aggs = combine_demo([first, second], out)
+    assert list(aggs) == ["none", "shuffled_feedback"]  # the trained arm first
+    assert [p["seed"] for p in aggs["none"]["seeds"]] == [0, 1, 2]
+    assert aggs["none"]["live_judge"]["mean"] == pytest.approx(1.0)
+    assert aggs["shuffled_feedback"]["live_judge"]["mean"] == pytest.approx(0.5)
+    arms = json.loads((out / "demo_arms.json").read_text())
+    assert arms["compared"]["shuffled_feedback"]["seeds"] == [0, 1, 2]
+    assert arms["compared"]["shuffled_feedback"]["difference"]["mean"] == pytest.approx(
+        (0.6 + 0.45 + 0.75) / 3)
+    assert (out / "none" / "demo_seeds.png").exists()
+    # a seed and arm twice: the first registered run is the one reported, never a pick
+    again = tmp_path / "again"
+    run(again, "none", 1, 0.95)
+    with pytest.raises(ValueError, match="none seed 1 is also"):
+        combine_demo([first, again], tmp_path / "o2")
+    # another pool is another result
+    other = tmp_path / "other"
+    run(other, "none", 5, 0.9, pool="validation")
+    with pytest.raises(ValueError, match="combine runs of one setting"):
+        combine_demo([first, other], tmp_path / "o3")
+    with pytest.raises(ValueError, match="no runs"):
+        combine_demo([tmp_path / "empty"], tmp_path / "o4")

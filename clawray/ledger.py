@@ -188,7 +188,8 @@ def headline(lines: Iterable[dict[str, Any]], experiments: dict[str, str] | None
 
         mode = TRAINED_MODE.get(name)
 
-        arms = sorted({arm for (e, arm, m) in cells if e == name and m == f"{metric}_change"})
+        known = {arm for (e, arm, m) in cells if e == name and m == f"{metric}_change"}
+        arms = sorted(known)
         plain = next((a for a in arms if a.endswith(TRAINED_ARM)), None)
 
         def trained_of(arm: str) -> str | None:
@@ -196,7 +197,7 @@ def headline(lines: Iterable[dict[str, Any]], experiments: dict[str, str] | None
                 return f"{mode}/{arm.rpartition('/')[2]}"
             # "<judge>/<control>": its own judge's trained arm where that ran
             own = arm.rpartition("/")[0] + TRAINED_ARM
-            return own if own in arms else plain
+            return own if own in known else plain
 
         arms.sort(key=lambda a: (a.rpartition("/")[2] if mode else a.rpartition("/")[0],
                                  a != trained_of(a), a))

@@ -151,14 +151,15 @@ def test_two_judges_in_one_experiment_pair_each_control_with_its_own_judges_trai
         tmp_path):
     path = tmp_path / "l.jsonl"
     rises = {"keyword/none": [0.7, 0.7, 0.7], "keyword/shuffled_feedback": [0.0, 0.1, 0.0],
+             "keyword/no_training": [0.0, 0.0, 0.0],  # sorts before "none": still after it
              "model/none": [0.3, 0.4, 0.5], "model/shuffled_feedback": [0.0, 0.0, 0.1],
              "model/reply_hidden": [0.3, 0.3, 0.3]}
     rows = _headline_rows(path, "exp", rises, 0.2)
     assert [r.split(" | ")[1] for r in rows] == [
-        "keyword/none", "keyword/shuffled_feedback", "model/none", "model/reply_hidden",
-        "model/shuffled_feedback"]
-    assert rows[0].endswith("| — |") and rows[2].endswith("| — |")  # each judge's trained arm
+        "keyword/none", "keyword/no_training", "keyword/shuffled_feedback", "model/none",
+        "model/reply_hidden", "model/shuffled_feedback"]
+    assert rows[0].endswith("| — |") and rows[3].endswith("| — |")  # each judge's trained arm
     # keyword: differences 0.7, 0.6, 0.7 against its own trained arm, not the model judge's
-    assert "| +66.7 ± 3.3 (p = 0.00" in rows[1]
+    assert "| +66.7 ± 3.3 (p = 0.00" in rows[2]
     # model: differences 0.3, 0.4, 0.4 against the shuffled control
-    assert "| +36.7 ± 3.3 (p = 0.00" in rows[4]
+    assert "| +36.7 ± 3.3 (p = 0.00" in rows[5]

@@ -619,18 +619,28 @@ def plot_arms(aggs: dict[str, dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(aggs), 4))
-    for i, (control, agg) in enumerate(aggs.items()):
-        rise = agg["rise"]
-        ax.bar(i, rise["mean"], yerr=rise["stderr"] or 0, capsize=5, alpha=0.5,
-               color="tab:green" if control == "none" else "tab:grey")
-        ax.plot([i] * len(agg["seeds"]), [p["rise"] for p in agg["seeds"]], "o", color="black",
-                ms=4)
-    ax.axhline(0, color="black", lw=0.8)
-    ax.set(xticks=range(len(aggs)), xticklabels=["trained" if c == "none" else c.replace("_", " ")
-                                                 for c in aggs],
-           ylabel="held-out satisfaction: after − before",
-           title=f"clawray demo arms, {max(a['runs'] for a in aggs.values())} seeds")
+    judged = any(a.get("live_judge") for a in aggs.values())  # a second panel: the judge
+    width = 1.8 + 1.6 * len(aggs)
+    fig, axes = plt.subplots(1, 1 + judged, figsize=(width * (1 + judged), 4), squeeze=False)
+    labels = ["trained" if c == "none" else c.replace("_", " ") for c in aggs]
+    panels = [("rise", "held-out satisfaction: after − before",
+               f"clawray demo arms, {max(a['runs'] for a in aggs.values())} seeds")]
+    if judged:
+        panels.append(("live_judge", "judge's rewards vs users' wants (balanced)",
+                       "the judge on the live turns"))
+    for ax, (key, ylabel, title) in zip(axes[0], panels):
+        for i, (control, agg) in enumerate(aggs.items()):
+            st = agg.get(key)
+            if not st:
+                continue
+            ax.bar(i, st["mean"], yerr=st["stderr"] or 0, capsize=5, alpha=0.5,
+                   color="tab:green" if control == "none" else "tab:grey")
+            ax.plot([i] * len(agg["seeds"]), [p.get(key) for p in agg["seeds"]], "o",
+                    color="black", ms=4)
+        ax.axhline(0.5 if key == "live_judge" else 0, color="black", lw=0.8)
+        ax.set(xticks=range(len(aggs)), xticklabels=labels, ylabel=ylabel, title=title)
+        if key == "live_judge":
+            ax.set_ylim(0, 1.02)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

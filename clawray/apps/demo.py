@@ -45,8 +45,9 @@ EVAL_N = 150
 # the loop learns comes from what the users say. `--judge model`: the judge model of clawray
 # judge-sft; since its examples stopped giving away the label in the reply (recipe 3) the
 # embedded model's has not been shown to read feedback (docs/training.md), so it is no longer
-# the default. A real model's (JUDGE_SFT_REAL) reads wording it was not trained on; the live
-# loop judged by it has not been run yet.
+# the default. A real model's (JUDGE_SFT_REAL) reads wording it was not trained on, and the
+# live loop judged by it learns from what the users say (docs/models.md, "Judged by the
+# SmolLM2 judge").
 JUDGE = "heuristic"
 # clawray judge-sft settings for the demo's judge, chosen on the validation wording
 # (docs/training.md): `clawray judge-sft --set sft.steps=400 --set sft.batch_size=32

@@ -447,12 +447,14 @@ def live_judge_agreement(run: Path) -> dict[str, Any] | None:
         rec = json.loads(line)
         if rec.get("response_id") and rec.get("satisfied") is not None:
             satisfied[rec["response_id"]] = bool(rec["satisfied"])
-    rows = pa.concat_tables([pq.read_table(s, columns=["sample_id", "judge_status", "reward"])
+    rows = pa.concat_tables([pq.read_table(s, columns=["sample_id", "kind", "judge_status",
+                                                       "reward"])
                              for s in segments]).to_pylist()
     hits = {True: [], False: []}
-    for r in rows:
-        met = satisfied.get(r["sample_id"].split("/")[0])
-        if r["judge_status"] == "judged" and r["reward"] is not None and met is not None:
+    for r in rows:  # sample ids are "<record id>/<kind>" (clawray/sessions/rows.py)
+        met = satisfied.get(r["sample_id"].rpartition("/")[0])
+        if (r["kind"] == "rl" and r["judge_status"] == "judged" and r["reward"] is not None
+                and met is not None):
             hits[met].append(r["reward"] > 0 if met else r["reward"] < 0)
     if not hits[True] and not hits[False]:
         return None
@@ -562,6 +564,15 @@ def aggregate_demo_seeds(summaries: list[dict[str, Any]]) -> dict[str, Any]:
             "rose_in": sum(p["rise"] > 0 for p in per_seed),
             "eval_pool": summaries[0].get("eval_pool"), "iterations": summaries[0]["iterations"],
             "users": summaries[0]["users"]}
+
+
+def write_seeds(summaries: list[dict[str, Any]], where: Path) -> dict[str, Any]:
+    """One arm's ``aggregate_demo_seeds`` as ``where/demo_seeds.json`` and ``.png``."""
+    agg = aggregate_demo_seeds(summaries)
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "demo_seeds.json").write_text(json.dumps(agg, indent=2))
+    plot_demo_seeds(agg, where / "demo_seeds.png")
+    return agg
 
 
 def plot_demo_seeds(agg: dict[str, Any], path: Path) -> None:
@@ -678,9 +689,7 @@ def run_demo_seeds(cfg: ClawRayConfig, out: Path, seeds: list[int],
                 ray.shutdown()
             summaries[control].append(
                 json.loads((where / f"seed{seed}" / "summary.json").read_text()))
-            agg = aggs[control] = aggregate_demo_seeds(summaries[control])
-            (where / "demo_seeds.json").write_text(json.dumps(agg, indent=2))
-            plot_demo_seeds(agg, where / "demo_seeds.png")
+            aggs[control] = write_seeds(summaries[control], where)
         if len(controls) > 1:  # the arms compared on the seeds all of them finished
             write_arms(aggs, out)
     print_arms(aggs, out)
@@ -761,15 +770,9 @@ def combine_demo(runs: list[Path], out: Path) -> dict[str, dict[str, Any]]:
             if s.get("live_judge") is None:
                 s["live_judge"] = live_judge_agreement(path.parent)
             summaries.setdefault(s["control"], []).append(s)
-    order = sorted(summaries, key=lambda c: (c != "none", CONTROLS.index(c)))
-    aggs = {}
-    for control in order:
-        agg = aggs[control] = aggregate_demo_seeds(sorted(summaries[control],
-                                                          key=lambda s: s["seed"]))
-        where = out / control
-        where.mkdir(parents=True, exist_ok=True)
-        (where / "demo_seeds.json").write_text(json.dumps(agg, indent=2))
-        plot_demo_seeds(agg, where / "demo_seeds.png")
+    aggs = {control: write_seeds(sorted(summaries[control], key=lambda s: s["seed"]),
+                                 out / control)
+            for control in sorted(summaries, key=CONTROLS.index)}  # the trained arm first
     if len(aggs) > 1:
         write_arms(aggs, out)
     return aggs

@@ -240,7 +240,7 @@ def test_a_real_models_experiment_names_its_kl_weight_the_embedded_ones_do_not()
         "demo-lockstep-concise-smollm2-135m-instruct-kl0.1"
 
 
-def write_run(run, turns, *, judged_sample_rows=None):
+def write_run(run, turns):
     """A run folder as ``run_learning`` leaves it: ``interactions.jsonl`` (whether each reply
     met its user's preference) and a sample-log segment (each turn's judge status and reward).
     ``turns``: (response id, satisfied, judge status, reward)."""
@@ -254,6 +254,7 @@ def write_run(run, turns, *, judged_sample_rows=None):
         for rid, met, _, _ in turns:
             f.write(json.dumps({"response_id": rid, "satisfied": met}) + "\n")
     pq.write_table(pa.table({"sample_id": [f"{rid}/rl" for rid, *_ in turns],
+                             "kind": ["rl"] * len(turns),
                              "judge_status": [s for *_, s, _ in turns],
                              "reward": [r for *_, r in turns]}),
                    run / "samples" / "seg-000000000000.parquet")

@@ -53,7 +53,8 @@ from clawray.inference.engine import SamplingParams, TokenOutput
 from clawray.models.chat_template import IM_END
 from clawray.models.loader import load_tokenizer, policy_model_info
 from clawray.rlanything.steps import StepContext, step_contexts, step_rm_request
-from clawray.training.evaluate import EVAL_MAX_DIFFICULTY, balanced, play_tasks
+from clawray.training.evaluate import (EVAL_MAX_DIFFICULTY, balanced, nothing_happens_rule,
+                                       play_tasks)
 from clawray.training.rm_sft import (MAX_IMBALANCE, TASK_SEED_OFFSET, collect_steps,
                                      rm_sft_rows, verdict)
 from clawray.training.sft import run_sft, train_sft
@@ -168,8 +169,9 @@ def sample(contexts: list[StepContext], n: int) -> list[StepContext]:
 
 
 def rule_scores(contexts: list[StepContext]) -> list[float]:
-    """The trivial cue: +1 unless the observation says the action did nothing."""
-    return [-1.0 if "nothing happens" in c.observation else 1.0 for c in contexts]
+    """The trivial cue: +1 unless the observation says the action did nothing
+    (``evaluate.nothing_happens_rule``, as scores for the AUC)."""
+    return [float(s[0]) for s in nothing_happens_rule(contexts)]
 
 
 def mean_se(values: list[float]) -> dict[str, float]:

@@ -59,7 +59,8 @@ from clawray.config import ClawRayConfig
 from clawray.rlanything.loop import StepScorer
 from clawray.serve.app import build_app
 from clawray.training.evaluate import (EVAL_MAX_DIFFICULTY, EVAL_SAMPLES, balanced,
-                                       held_out_success, held_out_tasks, step_accuracy)
+                                       held_out_success, held_out_tasks, nothing_happens_rule,
+                                       step_accuracy)
 from clawray.training.rm_sft import EVAL_SEED_OFFSET, collect_steps, run_rm_sft
 from clawray.training.sft import run_sft
 from clawray.training.trainer import Trainer
@@ -196,8 +197,17 @@ def measure(trainer: Any, cfg: ClawRayConfig, tasks: list[Any],
     took = [i for i, c in enumerate(contexts) if c.outcome is not None]
     rm_outcome = step_accuracy([bool(contexts[i].outcome) for i in took],
                                [scored[i].scores for i in took])
+    # Without the invalid-action cue: the RM on valid actions only (did the action make
+    # progress), and what the one-cue rule scores on all steps and on valid ones.
+    valid = [i for i, c in enumerate(contexts) if c.valid]
+    rule = nothing_happens_rule(contexts)
+    progress = [c.progress for c in contexts]
     return {"success": held["success"], "success_stderr": held["stderr"],
             "episodes": held["n"], "rm": rm, "rm_outcome": rm_outcome,
+            "rm_valid": step_accuracy([progress[i] for i in valid],
+                                      [scored[i].scores for i in valid]),
+            "rule": step_accuracy(progress, rule),
+            "rule_valid": step_accuracy([progress[i] for i in valid], [rule[i] for i in valid]),
             "policy_version": trainer.version,
             "seconds": time.perf_counter() - t0}
 
@@ -380,6 +390,16 @@ def ledger_lines(summary: dict[str, Any], row: str, seed: int,
     lines += ledger.before_after("rm_balanced_acc", rm["before"]["balanced_acc"],
                                  rm["after"]["balanced_acc"], record_before=measured_here,
                                  n=rm["after"].get("n_steps"), **fields)
+    valid = {when: _rm(r[when].get("rm_valid") or {}) for when in ("before", "after")}
+    lines += ledger.before_after("rm_valid_balanced_acc", valid["before"].get("balanced_acc"),
+                                 valid["after"].get("balanced_acc"), record_before=measured_here,
+                                 n=valid["after"].get("n_steps"), **fields)
+    if measured_here:  # the rule reads the steps only: one figure a seed, with its "before"
+        for metric in ("rule", "rule_valid"):
+            m = _rm(r["before"].get(metric) or {})
+            if m.get("balanced_acc") is not None:
+                lines.append({**fields, "metric": f"{metric}_balanced_acc",
+                              "value": m["balanced_acc"], "n": m.get("n_steps")})
     for when in ("before", "after"):
         if when == "before" and not measured_here:
             continue
@@ -496,6 +516,9 @@ def summarize(runs: dict[str, dict[str, Any]], seeds: list[int], steps: int,
     def outcome_bal(m: dict[str, Any]) -> float | None:
         return _rm(m.get("rm_outcome") or {})["balanced_acc"]
 
+    def valid_bal(m: dict[str, Any]) -> float | None:
+        return _rm(m.get("rm_valid") or {})["balanced_acc"]
+
     for row, by_seed in runs.items():
         rs = list(by_seed.values())
         table[row] = {
@@ -532,6 +555,15 @@ def summarize(runs: dict[str, dict[str, Any]], seeds: list[int], steps: int,
                for k in ("balanced_acc", "plus_acc", "minus_acc", "mu")
                for when in ("before", "after")},
             "rm_outcome_balanced_change": _spread([change(r, outcome_bal) for r in rs]),
+            # Without the invalid-action cue: the RM on valid actions only, before / after,
+            # paired; the one-cue rule on all steps and on valid ones (results that predate
+            # the measure have none).
+            **{f"rm_valid_{k}_{when}": _spread([_rm(r[when].get("rm_valid") or {}).get(k)
+                                                for r in rs])
+               for k in ("balanced_acc", "plus_acc", "minus_acc") for when in ("before", "after")},
+            "rm_valid_balanced_change": _spread([change(r, valid_bal) for r in rs]),
+            **{f"{rule}_balanced_acc": _spread([_rm(r["before"].get(rule) or {}).get(
+                "balanced_acc") for r in rs]) for rule in ("rule", "rule_valid")},
             # Which way co-training pushed the RM: the share of its trained steps whose target
             # is +1 (per seed the mean over steps; results that predate the measure have none).
             "target_positive_share": _spread([_step_mean(r["steps"],
@@ -604,6 +636,28 @@ def table_markdown(summary: dict[str, Any]) -> str:
                 f"| {cell(t.get('target_balanced_acc', none), False)} "
                 f"| {cell(t['rm_balanced_change'], False)} "
                 f"| {cell(t.get('rm_outcome_balanced_change', none), False)} |")
+    cue = {row: t for row, t in table_rows(summary).items()
+           if t.get("rm_valid_balanced_acc_before", {}).get("mean") is not None}
+    if cue:
+        lines += ["", "Without the invalid-action cue: the RM's balanced accuracy against the "
+                  "step oracle on all held-out steps and on valid actions only (where the "
+                  "question is whether the action made progress), before → after, next to the "
+                  "one-cue rule (−1 iff the observation says \"nothing happens\"; on valid "
+                  "actions it always says +1).", "",
+                  "| row | RM all steps: before | after | rule, all steps | RM valid actions: "
+                  "before | after | change (paired) | RM valid p₊ after | RM valid p₋ after "
+                  "| rule, valid actions |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for row, t in cue.items():
+            lines.append(
+                f"| {row} | {cell(t['rm_balanced_acc_before'], False)} "
+                f"| {cell(t['rm_balanced_acc_after'], False)} "
+                f"| {cell(t['rule_balanced_acc'], False)} "
+                f"| {cell(t['rm_valid_balanced_acc_before'], False)} "
+                f"| {cell(t['rm_valid_balanced_acc_after'], False)} "
+                f"| {cell(t['rm_valid_balanced_change'], False)} "
+                f"| {cell(t['rm_valid_plus_acc_after'], False)} "
+                f"| {cell(t['rm_valid_minus_acc_after'], False)} "
+                f"| {cell(t['rule_valid_balanced_acc'], False)} |")
     lines += ["", "Per seed: held-out success before → after, rollout success (the mean over the "
               "steps), the co-trainer's RM rows over the run, accepted rewrites of proposed, and "
               "the RM's balanced accuracy (p₊, p₋) before → after against the step oracle and "

@@ -147,6 +147,13 @@ def balanced(plus_acc: float | None, minus_acc: float | None) -> dict[str, float
     return {"balanced_acc": (plus_acc + minus_acc) / 2, "mu": plus_acc + minus_acc}
 
 
+def nothing_happens_rule(contexts: list[StepContext]) -> list[list[int | None]]:
+    """The one-cue rule as scorings (one per step): -1 iff the observation says the action did
+    nothing ("nothing happens.", the household's answer to an invalid action), else +1. What an
+    RM's accuracy is set against: on valid actions it says +1 always (balanced 0.5)."""
+    return [[-1 if "nothing happens" in c.observation else 1] for c in contexts]
+
+
 def step_accuracy(progress: list[bool], scores: list[list[int | None]]) -> dict[str, Any]:
     """``rm_step_accuracy``'s numbers from oracle labels and parsed scores (None: unparseable);
     a share with nothing to count is None (JSON null in the info file). ``balanced_acc`` and

@@ -273,6 +273,11 @@ def test_rows_run_one_after_another_record_the_shared_before_once(tmp_path, monk
             r[when]["episodes"], r[when]["rm"]["n_steps"] = 8, 40
         if not cfg.rlanything_cfg.co_train_rm:  # against the outcome: after only
             r["after"]["rm_outcome"] = {"plus_acc": 0.6, "minus_acc": 0.8, "n_steps": 30}
+        if before is None:  # the first row: valid actions and the rule, from its own before
+            r["before"]["rm_valid"] = {"plus_acc": 0.5, "minus_acc": 0.5, "n_steps": 12}
+            r["before"]["rule"] = {"plus_acc": 1.0, "minus_acc": 0.8, "n_steps": 40}
+            r["before"]["rule_valid"] = {"plus_acc": 1.0, "minus_acc": 0.0, "n_steps": 12}
+        r["after"]["rm_valid"] = {"plus_acc": 0.9, "minus_acc": 0.5, "n_steps": 12}
         return r
 
     path = tmp_path / "ledger.jsonl"
@@ -298,6 +303,13 @@ def test_rows_run_one_after_another_record_the_shared_before_once(tmp_path, monk
         ("policy", "rm_plus_acc_after"): (0.8, 40, None),
         ("policy", "rm_minus_acc_after"): (0.6, 40, None),
         ("policy", "rm_outcome_balanced_acc_after"): (0.7, 30, None),
+        ("policy", "rm_valid_balanced_acc_before"): (0.5, 12, None),
+        ("policy", "rm_valid_balanced_acc_after"): (0.7, 12, None),
+        ("policy", "rm_valid_balanced_acc_change"): (0.2, 12, None),
+        ("policy", "rule_balanced_acc"): (0.9, 40, None),
+        ("policy", "rule_valid_balanced_acc"): (0.5, 12, None),
+        ("policy+rm", "rm_valid_balanced_acc_after"): (0.7, 12, "policy"),
+        ("policy+rm", "rm_valid_balanced_acc_change"): (0.2, 12, "policy"),
         ("policy+rm", "success_after"): (0.5, 8, "policy"),
         ("policy+rm", "success_change"): (0.3, 8, "policy"),
         ("policy+rm", "rm_balanced_acc_after"): (0.7, 40, "policy"),
@@ -318,3 +330,55 @@ def test_the_experiment_names_the_scale_and_label_noise_so_runs_of_other_sizes_s
     assert name(dataclasses.replace(SMALL, steps=4)) == "rla-table-small-steps4"
     assert name(dataclasses.replace(FULL, eval_tasks=50), 0.2) == \
         "rla-table-eval_tasks50-noise0.2"
+
+
+def test_the_rm_is_measured_on_valid_actions_and_beside_the_one_cue_rule(monkeypatch):
+    """``measure`` scores the RM on valid actions only (the invalid-action cue gone) and the
+    rule "-1 iff nothing happens" on all steps and on valid ones; the table pairs the RM's
+    valid-action change per seed and shows the rule beside it."""
+    from clawray.experiments import rla_table as experiment
+    from clawray.rlanything.steps import StepContext
+
+    def step(progress, valid, votes):
+        obs = "You pick up the mug." if valid else "nothing happens."
+        return StepContext("task", [], "act", obs, progress, valid, 0, None), votes
+
+    steps = [step(True, True, [1, 1, 1]), step(True, True, [-1, -1, -1]),
+             step(False, True, [-1, -1, 1]), step(False, True, [1, 1, 1]),
+             step(False, False, [-1, -1, -1]), step(False, False, [-1, -1, -1])]
+
+    class Scorer:
+        def __init__(self, cfg, app):
+            pass
+
+        async def score_steps(self, contexts, seed):
+            return [type("S", (), {"scores": votes})() for _, votes in steps]
+
+    monkeypatch.setattr(experiment, "StepScorer", Scorer)
+    monkeypatch.setattr(experiment, "held_out_success",
+                        lambda trainer, cfg, tasks: {"success": 0.25, "stderr": 0.1, "n": 4})
+    trainer = type("T", (), {"app": "a", "version": 3})()
+    m = experiment.measure(trainer, ClawRayConfig(), [], [c for c, _ in steps])
+    # valid actions: p+ 3 of 6 votes, p- 2 of 6 (one step -1,-1,+1, one +1,+1,+1)
+    assert m["rm_valid"]["n_steps"] == 4
+    assert (m["rm_valid"]["plus_acc"], m["rm_valid"]["minus_acc"]) == pytest.approx((0.5, 1 / 3))
+    # all steps: p- adds the two invalid steps' six right votes: 8 of 12
+    assert m["rm"]["minus_acc"] == pytest.approx(8 / 12)
+    # the rule: +1 on every valid action, -1 on both invalid ones
+    assert (m["rule"]["plus_acc"], m["rule"]["minus_acc"]) == (1.0, 0.5)
+    assert (m["rule_valid"]["plus_acc"], m["rule_valid"]["minus_acc"]) == (1.0, 0.0)
+    assert m["rule_valid"]["balanced_acc"] == 0.5
+
+    a, b = run((0.2, 0.3), (0.7, 0.8), [0]), run((0.2, 0.1), (0.7, 0.6), [0])
+    a["before"] |= {"rm_valid": {"plus_acc": 0.5, "minus_acc": 0.5}, "rule": m["rule"],
+                    "rule_valid": m["rule_valid"]}
+    a["after"]["rm_valid"] = {"plus_acc": 0.7, "minus_acc": 0.5}
+    s = summarize({"policy+rm": {"0": a, "1": b}}, [0, 1], 1, 0.0, 1.0)
+    t = s["rows"]["policy+rm"]
+    assert t["rm_valid_balanced_change"]["values"] == pytest.approx([0.1])  # seed 1 has none
+    assert t["rule_balanced_acc"]["values"] == pytest.approx([0.75])
+    md = table_markdown(s)
+    assert ("| policy+rm | 0.600 ± 0.000 | 0.600 ± 0.100 | 0.750 | 0.500 | 0.600 | 0.100 "
+            "| 0.700 | 0.500 | 0.500 |") in md
+    assert "valid actions" not in table_markdown(summarize({"policy": {"0": run(
+        (0.2, 0.3), (0.7, 0.7), [0])}}, [0], 1, 0.0, 1.0))

@@ -510,14 +510,9 @@ def summarize(runs: dict[str, dict[str, Any]], seeds: list[int], steps: int,
     def success(m: dict[str, Any]) -> float | None:
         return m["success"]
 
-    def rm_bal(m: dict[str, Any]) -> float | None:
-        return _rm(m["rm"])["balanced_acc"]
-
-    def outcome_bal(m: dict[str, Any]) -> float | None:
-        return _rm(m.get("rm_outcome") or {})["balanced_acc"]
-
-    def valid_bal(m: dict[str, Any]) -> float | None:
-        return _rm(m.get("rm_valid") or {})["balanced_acc"]
+    def bal(key: str) -> Callable[[dict[str, Any]], float | None]:
+        """A measurement's balanced accuracy of RM measure ``key`` (None where not taken)."""
+        return lambda m: _rm(m.get(key) or {})["balanced_acc"]
 
     for row, by_seed in runs.items():
         rs = list(by_seed.values())
@@ -525,7 +520,7 @@ def summarize(runs: dict[str, dict[str, Any]], seeds: list[int], steps: int,
             # Paired per seed: a row's after minus its before (the same held-out tasks and
             # starting weights), and its after minus the policy-only row's after.
             "success_change": _spread([change(r, success) for r in rs]),
-            "rm_balanced_change": _spread([change(r, rm_bal) for r in rs]),
+            "rm_balanced_change": _spread([change(r, bal("rm")) for r in rs]),
             "success_vs_policy": _spread([r["after"]["success"] - base[s]["after"]["success"]
                                           for s, r in by_seed.items()
                                           if row != "policy" and s in base]),
@@ -554,14 +549,14 @@ def summarize(runs: dict[str, dict[str, Any]], seeds: list[int], steps: int,
                                                   for r in rs])
                for k in ("balanced_acc", "plus_acc", "minus_acc", "mu")
                for when in ("before", "after")},
-            "rm_outcome_balanced_change": _spread([change(r, outcome_bal) for r in rs]),
+            "rm_outcome_balanced_change": _spread([change(r, bal("rm_outcome")) for r in rs]),
             # Without the invalid-action cue: the RM on valid actions only, before / after,
             # paired; the one-cue rule on all steps and on valid ones (results that predate
             # the measure have none).
             **{f"rm_valid_{k}_{when}": _spread([_rm(r[when].get("rm_valid") or {}).get(k)
                                                 for r in rs])
                for k in ("balanced_acc", "plus_acc", "minus_acc") for when in ("before", "after")},
-            "rm_valid_balanced_change": _spread([change(r, valid_bal) for r in rs]),
+            "rm_valid_balanced_change": _spread([change(r, bal("rm_valid")) for r in rs]),
             **{f"{rule}_balanced_acc": _spread([_rm(r["before"].get(rule) or {}).get(
                 "balanced_acc") for r in rs]) for rule in ("rule", "rule_valid")},
             # Which way co-training pushed the RM: the share of its trained steps whose target

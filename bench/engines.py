@@ -64,8 +64,11 @@ SETUPS = ["clawray-hf", "clawray-vllm", "vllm-serve", "ray-serve-llm"]
 # Also available (not in the default run): clawray-vllm-tput, clawray over vLLM with Ray
 # Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (user code on the replica's main event loop), and
 # clawray-vllm-rayctl, with Serve's controller looping at Ray's default 0.1 s instead of
-# clawray's 1 s (serving.control_loop_interval_s).
-EXTRA_SETUPS = ["clawray-vllm-tput", "clawray-vllm-rayctl"]
+# clawray's 1 s (serving.control_loop_interval_s), and clawray-vllm-nice15, with the replica
+# and its engine at Ray's worker niceness 15 instead of clawray's 0 (serving.replica_niceness).
+# Ray Serve LLM's cluster starts its workers at niceness 0 too, so every engine here runs at
+# the host's normal priority, as `vllm serve` does.
+EXTRA_SETUPS = ["clawray-vllm-tput", "clawray-vllm-rayctl", "clawray-vllm-nice15"]
 # Ray gives an actor OMP_NUM_THREADS = its CPUs: the Ray setups reserve the whole machine for
 # the engine's replica, as the stand-alone `vllm serve` has it.
 REPLICA_CPUS = os.cpu_count() or 2
@@ -134,7 +137,8 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
         from clawray.apps.launch import serve_env
         from clawray.config import ServingConfig
 
-        engine = name.removeprefix("clawray-").removesuffix("-tput").removesuffix("-rayctl")
+        engine = (name.removeprefix("clawray-").removesuffix("-tput").removesuffix("-rayctl")
+                  .removesuffix("-nice15"))
         # the Ray environment `clawray serve` starts with, for these settings
         env = serve_env(ServingConfig(
             direct_ingress=True, throughput_optimized=name.endswith("-tput"),
@@ -149,6 +153,7 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
                   "serving": {"layout": "colocated", "record_sink": ["jsonl"],
                               "replica_num_cpus": REPLICA_CPUS,
                               "replica_num_gpus": 1 if gpu else 0,
+                              "replica_niceness": None if name.endswith("-nice15") else 0,
                               "records_path": str(logdir / f"{name}-turns.jsonl"),
                               "max_tokens_limit": 4096}}
         servers = start_ray(name, env, config, logdir)
@@ -179,7 +184,8 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
                "--model", model, "--served-name", SERVED_NAME,
                "--engine-kwargs", json.dumps(kwargs), "--replica-cpus", str(REPLICA_CPUS),
                "--replica-gpus", "1" if "gpu_memory_utilization" in VLLM_ARGS else "0"]
-        proc = spawn(cmd, log, {"RAY_SERVE_LOG_TO_STDERR": "0"}, stdin=subprocess.PIPE)
+        proc = spawn(cmd, log, {"RAY_SERVE_LOG_TO_STDERR": "0", "RAY_worker_niceness": "0"},
+                     stdin=subprocess.PIPE)
         servers = Servers([proc])
         line = proc.stdout.readline() if proc.stdout else b""
         if not line:
@@ -278,8 +284,8 @@ async def closed_loop(url: str, body: dict[str, Any], concurrency: int, warmup: 
             "completion_tokens_mean": statistics.fmean(tokens) if tokens else None}
 
 
-def cpu_snapshot() -> dict[int, tuple[str, float]]:
-    """CPU seconds so far of every process on the machine (name, user + system)."""
+def cpu_snapshot() -> dict[int, tuple[str, float, int]]:
+    """CPU seconds so far of every process on the machine (name, user + system, niceness)."""
     import psutil
 
     out = {}
@@ -287,7 +293,7 @@ def cpu_snapshot() -> dict[int, tuple[str, float]]:
         try:
             times = p.cpu_times()
             out[p.pid] = ((" ".join(p.info["cmdline"] or []) or p.info["name"])[:80],
-                          times.user + times.system)
+                          times.user + times.system, p.nice())
         except psutil.Error:
             continue
     return out
@@ -296,9 +302,10 @@ def cpu_snapshot() -> dict[int, tuple[str, float]]:
 def cpu_top(before: dict, after: dict, seconds: float, n: int = 6) -> list[dict[str, Any]]:
     """The processes that used the most CPU between two snapshots (percent of one core):
     where the machine's time went while a level was measured."""
-    used = [(after[pid][1] - before.get(pid, (None, 0.0))[1], after[pid][0]) for pid in after]
-    return [{"process": name, "cpu_pct": round(100 * u / seconds, 1)}
-            for u, name in sorted(used, reverse=True)[:n] if u > 0]
+    used = [(after[pid][1] - before.get(pid, (None, 0.0))[1], after[pid][0], after[pid][2])
+            for pid in after]
+    return [{"process": name.strip(), "cpu_pct": round(100 * u / seconds, 1), "nice": nice}
+            for u, name, nice in sorted(used, reverse=True)[:n] if u > 0]
 
 
 CPU_GROUPS = [  # (group, what a process's command line starts with or contains)
@@ -317,7 +324,7 @@ def cpu_groups(before: dict, after: dict, seconds: float) -> dict[str, float]:
     actors), this load generator, and the rest of the machine. On a 2-core machine the engine
     gets what the others leave."""
     out = {g: 0.0 for g, _ in CPU_GROUPS} | {"other": 0.0}
-    for pid, (name, t) in after.items():
+    for pid, (name, t, _) in after.items():
         used = t - before.get(pid, (None, 0.0))[1]
         if used <= 0:
             continue

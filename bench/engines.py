@@ -64,11 +64,8 @@ SETUPS = ["clawray-hf", "clawray-vllm", "vllm-serve", "ray-serve-llm"]
 # Also available (not in the default run): clawray-vllm-tput, clawray over vLLM with Ray
 # Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (user code on the replica's main event loop), and
 # clawray-vllm-rayctl, with Serve's controller looping at Ray's default 0.1 s instead of
-# clawray's 1 s (serving.control_loop_interval_s), and clawray-vllm-nice15, with the replica
-# and its engine at Ray's worker niceness 15 instead of clawray's 0 (serving.replica_niceness).
-# Ray Serve LLM's cluster starts its workers at niceness 0 too, so every engine here runs at
-# the host's normal priority, as `vllm serve` does.
-EXTRA_SETUPS = ["clawray-vllm-tput", "clawray-vllm-rayctl", "clawray-vllm-nice15"]
+# clawray's 1 s (serving.control_loop_interval_s).
+EXTRA_SETUPS = ["clawray-vllm-tput", "clawray-vllm-rayctl"]
 # Ray gives an actor OMP_NUM_THREADS = its CPUs: the Ray setups reserve the whole machine for
 # the engine's replica, as the stand-alone `vllm serve` has it.
 REPLICA_CPUS = os.cpu_count() or 2
@@ -137,8 +134,7 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
         from clawray.apps.launch import serve_env
         from clawray.config import ServingConfig
 
-        engine = (name.removeprefix("clawray-").removesuffix("-tput").removesuffix("-rayctl")
-                  .removesuffix("-nice15"))
+        engine = name.removeprefix("clawray-").removesuffix("-tput").removesuffix("-rayctl")
         # the Ray environment `clawray serve` starts with, for these settings
         env = serve_env(ServingConfig(
             direct_ingress=True, throughput_optimized=name.endswith("-tput"),
@@ -153,7 +149,6 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
                   "serving": {"layout": "colocated", "record_sink": ["jsonl"],
                               "replica_num_cpus": REPLICA_CPUS,
                               "replica_num_gpus": 1 if gpu else 0,
-                              "replica_niceness": None if name.endswith("-nice15") else 0,
                               "records_path": str(logdir / f"{name}-turns.jsonl"),
                               "max_tokens_limit": 4096}}
         servers = start_ray(name, env, config, logdir)
@@ -184,8 +179,7 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
                "--model", model, "--served-name", SERVED_NAME,
                "--engine-kwargs", json.dumps(kwargs), "--replica-cpus", str(REPLICA_CPUS),
                "--replica-gpus", "1" if "gpu_memory_utilization" in VLLM_ARGS else "0"]
-        proc = spawn(cmd, log, {"RAY_SERVE_LOG_TO_STDERR": "0", "RAY_worker_niceness": "0"},
-                     stdin=subprocess.PIPE)
+        proc = spawn(cmd, log, {"RAY_SERVE_LOG_TO_STDERR": "0"}, stdin=subprocess.PIPE)
         servers = Servers([proc])
         line = proc.stdout.readline() if proc.stdout else b""
         if not line:

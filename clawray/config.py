@@ -180,18 +180,6 @@ class ServingConfig(_Section):
     max_ongoing_requests: int = Field(512, ge=1)
     replica_num_cpus: float = Field(1.0, ge=0)
     replica_num_gpus: float = Field(0.0, ge=0)
-    replica_niceness: int | None = Field(
-        0, ge=0, le=19,
-        description=(
-            "The scheduling niceness of the replicas that serve requests or hold an engine "
-            "(ingress, policy server, judge server) and of the engine processes they start, "
-            "set through the replica's runtime_env (RAY_worker_niceness). Ray starts its "
-            "workers at 15, below every ordinary process on the host, so any other job would "
-            "take the CPU from users' requests first; at 0 serving runs at the host's normal "
-            "priority while training actors (learner, buffer, hubs) stay at Ray's 15: "
-            "foreground serving, background training. None: Ray's default."
-        ),
-    )
     replica_resources: dict[str, float] = Field(
         default_factory=dict, description="Custom Ray resources each serving replica needs "
         "(ray_actor_options resources), e.g. {\"serving_node\": 1} to pin replicas to the "

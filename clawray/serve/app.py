@@ -77,11 +77,7 @@ def build_app(args: dict[str, Any] | ClawRayConfig | None = None) -> Application
         raise ValueError(problem)
     check_teacher_tokenizer(cfg)
     data = deployment_args(cfg)
-    # Serving at the host's normal priority (Ray starts its workers at niceness 15);
-    # the engine processes a replica starts inherit it.
-    niced = ({} if s.replica_niceness is None else
-             {"runtime_env": {"env_vars": {"RAY_worker_niceness": str(s.replica_niceness)}}})
-    engine = {"num_cpus": s.replica_num_cpus, "num_gpus": s.replica_num_gpus, **niced}
+    engine = {"num_cpus": s.replica_num_cpus, "num_gpus": s.replica_num_gpus}
 
     def placed(part: str) -> tuple[dict[str, Any], dict[str, Any]]:
         """``part``'s ray_actor_options placement and its Serve spread option."""
@@ -118,5 +114,5 @@ def build_app(args: dict[str, Any] | ClawRayConfig | None = None) -> Application
                                   max_ongoing_requests=s.max_ongoing_requests,
                                   ray_actor_options={**engine, **policy_place}, **affine,
                                   **policy_spread)
-    return ingress.options(ray_actor_options={"num_cpus": 0, **niced, **ingress_place}
+    return ingress.options(ray_actor_options={"num_cpus": 0, **ingress_place}
                            ).bind(data, policy.bind(data), judge)

@@ -46,19 +46,14 @@ def test_each_clawray_setup_starts_ray_as_clawray_serve_would(engines, monkeypat
 
     def fake_start_ray(name, env, config, logdir):
         seen[name] = env
-        niceness[name] = config["serving"]["replica_niceness"]
         raise RuntimeError("stop here")
 
-    niceness = {}
     monkeypatch.setattr(engines, "start_ray", fake_start_ray)
-    for name in ("clawray-vllm", "clawray-vllm-tput", "clawray-vllm-rayctl",
-                 "clawray-vllm-nice15"):
+    for name in ("clawray-vllm", "clawray-vllm-tput", "clawray-vllm-rayctl"):
         with pytest.raises(RuntimeError, match="stop here"):
             engines.start_setup(name, "/model", Path("/tmp"))
     direct = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
     loop = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1"}
     assert seen == {"clawray-vllm": direct | loop,
                     "clawray-vllm-tput": direct | loop | {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
-                    "clawray-vllm-rayctl": direct, "clawray-vllm-nice15": direct | loop}
-    assert niceness == {"clawray-vllm": 0, "clawray-vllm-tput": 0, "clawray-vllm-rayctl": 0,
-                        "clawray-vllm-nice15": None}  # None: Ray's workers' 15
+                    "clawray-vllm-rayctl": direct}

@@ -184,25 +184,6 @@ def test_replica_resources_pin_replicas_and_refuse_builtin_or_negative_ones():
             ClawRayConfig().serving(replica_resources=bad)
 
 
-
-def test_serving_replicas_run_at_the_configured_niceness_and_training_at_rays():
-    from clawray.serve.app import build_app
-
-    def niceness(bound) -> str | None:
-        env = bound._bound_deployment.ray_actor_options.get("runtime_env") or {}
-        return env.get("env_vars", {}).get("RAY_worker_niceness")
-
-    judged = {"judge": {"backend": "server"}, "serving": {"record_sink": ["hub"]}}
-    app = build_app(ClawRayConfig.from_dict(judged))  # colocated: the ingress holds the engine
-    judge = app._bound_deployment.init_args[2]
-    assert niceness(app) == "0" and niceness(judge) == "0"
-    split = build_app(ClawRayConfig().serving(layout="split", replica_niceness=5))
-    assert niceness(split) == "5" and niceness(split._bound_deployment.init_args[1]) == "5"
-    assert niceness(build_app(ClawRayConfig().serving(replica_niceness=None))) is None
-    for bad in (-1, 20):  # raising priority needs privileges Ray's workers lack
-        with pytest.raises(ValueError, match="replica_niceness"):
-            ClawRayConfig().serving(replica_niceness=bad)
-
 def test_the_log_level_of_clawrays_lines_is_set_in_config(tmp_path):
     import argparse
     import logging

@@ -1,4 +1,5 @@
-"""What several tests share: the test API key, the OpenClaw fixtures, a free port, and the
+"""What several tests share: the test API key, the OpenClaw fixtures, a free port, loading a
+script's module, and the
 handle on the session's served app (``Served``, made by the ``served`` fixture in conftest)."""
 
 from __future__ import annotations
@@ -33,6 +34,16 @@ class ListSink:
 
 def load_fixture(name: str) -> dict:
     return json.loads((FIXTURES / name).read_text())
+
+
+def load_file(path: Path, name: str):
+    """The module of a file outside the package (``bench/*.py``, ``scripts/*.py``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

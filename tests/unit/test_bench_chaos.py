@@ -3,20 +3,18 @@ timeline, the two-host config and the options."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from tests.support.common import load_file
 
 CHAOS = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
 
 
 @pytest.fixture(scope="module")
 def chaos():
-    spec = importlib.util.spec_from_file_location("chaos_bench", CHAOS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(CHAOS, "chaos_bench")
 
 
 def test_host_losses_counts_failures_and_stalls_between_the_loss_and_the_recovery(chaos):

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.support.common import load_file
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "env_seeds.py"
 
 
 @pytest.fixture(scope="module")
 def env_seeds():
-    spec = importlib.util.spec_from_file_location("env_seeds", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(SCRIPT, "env_seeds")
 
 
 def run(folder: Path, seed: int, curve: list[float]) -> Path:

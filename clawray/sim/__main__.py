@@ -24,7 +24,7 @@ from typing import Any
 from clawray.models.loader import resolve_model_path
 from clawray.sim.preferences import PREFERENCES, Preference, get_preference
 from clawray.sim.users import (MESSAGE_TYPES, POOL_NAMES, SYSTEM_PROMPT, evaluate, follow_up,
-                               make_request, run_users, satisfaction_rate)
+                               make_request, run_users, satisfaction_rate, topic_words)
 
 
 def _rate(xs: list[bool]) -> float | None:
@@ -67,24 +67,27 @@ def measure(preference: Preference, model: str = "embedded:tiny", n: int = 240, 
     for kind in MESSAGE_TYPES:
         texts = [make_request(rng, {kind: 1.0}, pool)[1] for _ in range(n)]
         got = replies([[system, {"role": "user", "content": t}] for t in texts])
-        single[kind] = {"rate": _rate([preference.satisfied(r) for r in got]),
+        single[kind] = {"rate": _rate([preference.satisfied(r, topic_words(t, pool))
+                                       for r, t in zip(got, texts)]),
                         "top_replies": Counter(got).most_common(3)}
-    convs, kinds = [], []
+    convs, kinds, asked = [], [], []
     for _ in range(n):
         kind, text = make_request(rng, pool=pool)
         convs.append([system, {"role": "user", "content": text}])
         kinds.append(kind)
+        asked.append(text)
     by_turn, by_type, every = defaultdict(list), defaultdict(list), []
     for turn in range(1, turns + 1):
         for i, reply in enumerate(replies(convs)):
-            ok = preference.satisfied(reply)
+            topic = topic_words(asked[i], pool)
+            ok = preference.satisfied(reply, topic)
             by_turn[turn].append(ok)
             by_type[(turn, kinds[i])].append(ok)
             every.append(ok)
-            kinds[i], request = make_request(rng, pool=pool)
+            kinds[i], asked[i] = make_request(rng, pool=pool)
             convs[i] += [{"role": "assistant", "content": reply},
                          {"role": "user", "content": follow_up(
-                             preference.feedback(reply, ok, rng), request)}]
+                             preference.feedback(reply, ok, rng, topic), asked[i])}]
     return {"preference": preference.describe(), "model": model, "temperature": temperature,
             "n": n, "pool": pool, "single_turn": single,
             "sessions": {"all": _rate(every),

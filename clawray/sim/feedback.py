@@ -18,8 +18,8 @@ judge knows no English beyond its training rows, that is a test it cannot pass b
 
 Positive openers, bodies and closers say nothing about length, and negative closers neither:
 users who want brief replies and users who want detailed ones approve in the same words, and
-only a negative body says what went wrong (too long, unreadable, empty, or too short), as a
-person would. The pools are written as people talk, not to match the keyword lists of the
+only a negative body says what went wrong (too long, unreadable, empty, too short, or not
+about what was asked), as a person would. The pools are written as people talk, not to match the keyword lists of the
 heuristic rule judge (``clawray/judging/rules.py``), and share none of its keywords (tested).
 
 Pure Python, no Ray.
@@ -31,7 +31,7 @@ import dataclasses
 import random
 import re
 
-REASONS = ("long", "unreadable", "empty", "short")
+REASONS = ("long", "unreadable", "empty", "short", "off_topic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ class PhrasingPool:
     positive_bodies: tuple[str, ...]
     positive_closers: tuple[str, ...]
     negative_openers: tuple[str, ...]
-    negative_bodies: dict[str, tuple[str, ...]]  # by reason: long, unreadable, empty, short
+    negative_bodies: dict[str, tuple[str, ...]]  # by reason (REASONS)
     negative_closers: tuple[str, ...]
 
     def parts(self) -> set[str]:
@@ -90,6 +90,8 @@ PHRASINGS: dict[str, PhrasingPool] = {
                       "you can go into more depth", "that's far too short",
                       "I asked for something thorough", "longer please",
                       "hardly any text"),
+            "off_topic": ("you missed what I asked", "that's beside the point",
+                          "that has nothing to do with my message", "stick to the subject"),
         },
         negative_closers=(".", "!", ". Give it another go.", "?!", ", have another go."),
     ),
@@ -104,6 +106,7 @@ PHRASINGS: dict[str, PhrasingPool] = {
             "unreadable": ("garbled output", "static noise"),
             "empty": ("zero output", "a void"),
             "short": ("flesh it out", "richer content needed", "skimpy", "expand on it"),
+            "off_topic": ("irrelevant", "off course"),
         },
         negative_closers=(", rewrite it.", ". Retry."),
     ),
@@ -124,6 +127,8 @@ PHRASINGS: dict[str, PhrasingPool] = {
             "empty": ("where's the answer", "not a single word"),
             "short": ("rather terse", "I need specifics", "paint the full picture",
                       "elaborate a bit", "dig deeper", "barely anything"),
+            "off_topic": ("unrelated to my query", "off on a tangent",
+                          "you dodged my request"),
         },
         negative_closers=(". Once again.", ". Start afresh.", "...", ". Start over."),
     ),
@@ -141,6 +146,7 @@ PHRASINGS: dict[str, PhrasingPool] = {
             "unreadable": ("I can't read it", "no real words"),
             "empty": ("it is empty", "nothing came back"),
             "short": ("too short", "I want it longer", "more words"),
+            "off_topic": ("not what I asked", "answer my question"),
         },
         negative_closers=(". Try again.", ", redo it."),
     ),
@@ -157,7 +163,7 @@ def phrasing_pool(name: str) -> PhrasingPool:
 
 def react(pool: str, satisfied: bool, reason: str, rng: random.Random) -> str:
     """A user's reaction from phrasing pool ``pool``: approval when ``satisfied``, else a
-    complaint about ``reason`` (``REASONS``: long, unreadable, empty, short)."""
+    complaint about ``reason`` (``REASONS``: long, unreadable, empty, short, off_topic)."""
     p = phrasing_pool(pool)
     if satisfied:
         opener, body, closer = (rng.choice(p.positive_openers), rng.choice(p.positive_bodies),

@@ -37,10 +37,14 @@ class Preference(Protocol):
         """One sentence for people (reports, plots), never sent to the model."""
         ...
 
-    def satisfied(self, reply_text: str) -> bool:
+    def satisfied(self, reply_text: str, topic: set[str] | None = None) -> bool:
+        """Whether the reply pleases the user; ``topic``: the words of what was asked that an
+        answer names (``users.topic_words``; None or empty for a greeting), which only a
+        preference about answering reads."""
         ...
 
-    def feedback(self, reply_text: str, satisfied: bool, rng: random.Random) -> str:
+    def feedback(self, reply_text: str, satisfied: bool, rng: random.Random,
+                 topic: set[str] | None = None) -> str:
         """The user's reaction, to be sent as the start of their next message."""
         ...
 
@@ -73,11 +77,12 @@ class BriefReplies:
         return (f"this user wants brief, readable replies: at most {self.max_words} words "
                 f"and {self.max_chars} characters")
 
-    def satisfied(self, reply_text: str) -> bool:
+    def satisfied(self, reply_text: str, topic: set[str] | None = None) -> bool:
         return (1 <= len(reply_text.split()) <= self.max_words
                 and len(reply_text.strip()) <= self.max_chars and readable(reply_text))
 
-    def feedback(self, reply_text: str, satisfied: bool, rng: random.Random) -> str:
+    def feedback(self, reply_text: str, satisfied: bool, rng: random.Random,
+                 topic: set[str] | None = None) -> str:
         """Approval, or a complaint that says what was wrong (too long, unreadable, empty),
         worded from phrasing pool ``phrasing`` (``clawray/sim/feedback.py``)."""
         return react(self.phrasing, satisfied, reason_of(reply_text), rng)
@@ -105,10 +110,11 @@ class DetailedReplies:
     def describe(self) -> str:
         return f"this user wants detailed, readable replies: at least {self.min_words} words"
 
-    def satisfied(self, reply_text: str) -> bool:
+    def satisfied(self, reply_text: str, topic: set[str] | None = None) -> bool:
         return len(reply_text.split()) >= self.min_words and readable(reply_text)
 
-    def feedback(self, reply_text: str, satisfied: bool, rng: random.Random) -> str:
+    def feedback(self, reply_text: str, satisfied: bool, rng: random.Random,
+                 topic: set[str] | None = None) -> str:
         return react(self.phrasing, satisfied, reason_of(reply_text, too="short"), rng)
 
 
@@ -121,9 +127,55 @@ def concise() -> BriefReplies:
     return BriefReplies(max_words=20, max_chars=140, name="concise")
 
 
+@dataclasses.dataclass(frozen=True)
+class ConciseAnswers:
+    """"Concise" that must still answer: at most 20 words and 140 characters, and a reply to
+    a question or request names what was asked about (``users.on_topic``: its place, topic,
+    task...; greetings have nothing to name). Trained for brevity alone, SmolLM2's replies
+    named the topic 92% -> 50% of the time (docs/models.md); a user who wants a short answer
+    says so when a reply is short but about something else ("off_topic" in
+    ``feedback.REASONS``)."""
+
+    brief: BriefReplies = BriefReplies(max_words=20, max_chars=140, name="concise")
+    name: str = "concise_answer"
+    phrasing: str = "users"
+
+    def describe(self) -> str:
+        return (f"this user wants concise answers: at most {self.brief.max_words} words and "
+                f"{self.brief.max_chars} characters that name what was asked about")
+
+    def satisfied(self, reply_text: str, topic: set[str] | None = None) -> bool:
+        return (self.brief.satisfied(reply_text)
+                and on_topic(reply_text, topic or set()) is not False)
+
+    def feedback(self, reply_text: str, satisfied: bool, rng: random.Random,
+                 topic: set[str] | None = None) -> str:
+        reason = reason_of(reply_text)
+        if not satisfied and self.brief.satisfied(reply_text):
+            reason = "off_topic"  # short and readable, so what was wrong is the subject
+        return react(self.phrasing, satisfied, reason, rng)
+
+
+def on_topic(reply: str, words: set[str]) -> bool | None:
+    """Whether ``reply`` names one of ``words`` (a request's ``users.topic_words``), a plural
+    or a longer form counting ("river" for "rivers", "Argentine" for "Argentina": the first
+    five letters of the stem); None when there are no words to name (a greeting). A crude
+    check that a concise reply still answers: it catches "Space." for a question about Mars."""
+    if not words:
+        return None
+    stems = {_stem(w)[:5] for w in words}
+    return any(_stem(t)[:5] in stems for t in re.findall(r"[A-Za-z]+", reply))
+
+
+def _stem(word: str) -> str:
+    word = word.lower()
+    return word[:-1] if len(word) > 3 and word.endswith("s") else word
+
+
 PREFERENCES: dict[str, Callable[[], Preference]] = {"brief": BriefReplies,
                                                     "detailed": DetailedReplies,
-                                                    "concise": concise}
+                                                    "concise": concise,
+                                                    "concise_answer": ConciseAnswers}
 
 
 def get_preference(name: str) -> Preference:

@@ -54,7 +54,7 @@ import httpx
 import openai
 
 from clawray.gate.actor import ShadowSet
-from clawray.sim.preferences import BriefReplies, Preference, get_preference
+from clawray.sim.preferences import BriefReplies, Preference, get_preference, on_topic
 
 logger = logging.getLogger(__name__)
 
@@ -268,22 +268,6 @@ def topic_words(text: str, pool: str = "test") -> set[str]:
     return words
 
 
-def _stem(word: str) -> str:
-    word = word.lower()
-    return word[:-1] if len(word) > 3 and word.endswith("s") else word
-
-
-def on_topic(reply: str, words: set[str]) -> bool | None:
-    """Whether ``reply`` names one of ``words`` (a request's ``topic_words``), a plural or
-    a longer form counting ("river" for "rivers", "Argentine" for "Argentina": the first five
-    letters of the stem); None when there are no words to name (a greeting). A crude check
-    that a concise reply still answers: it catches "Space." for a question about Mars."""
-    if not words:
-        return None
-    stems = {_stem(w)[:5] for w in words}
-    return any(_stem(t)[:5] in stems for t in re.findall(r"[A-Za-z]+", reply))
-
-
 @dataclasses.dataclass
 class EvalResult:
     rate: float  # satisfied / judged replies (0.0 if none)
@@ -343,7 +327,8 @@ class SimUser:
         self.sessions_run += 1
         session_id = f"{self.run_tag}-u{self.user}-s{self.sessions_run}"
         messages = [{"role": "system", "content": SYSTEM_PROMPT}]
-        kind, text = make_request(self.rng, self.type_weights, self.pool)
+        kind, request = make_request(self.rng, self.type_weights, self.pool)
+        text = request
         out: list[Interaction] = []
         for turn in range(1, self.turns_per_session + 2):
             closing = turn > self.turns_per_session
@@ -362,15 +347,16 @@ class SimUser:
                 rec.error, rec.latency_s = _error_text(e), time.perf_counter() - t0
                 logger.warning("sim user %d: session %s turn %d failed: %s", self.user,
                                session_id, turn, rec.error)
+            topic = topic_words(request, self.pool)  # what an answer names (greetings: none)
             if rec.reply is not None and not closing:
-                rec.satisfied = self.preference.satisfied(rec.reply)
+                rec.satisfied = self.preference.satisfied(rec.reply, topic)
             self._emit(rec)
             out.append(rec)
             if rec.error is not None or closing:
                 break
             # The reply goes back exactly as received: that is how the server finds it again.
             messages.append({"role": "assistant", "content": rec.reply})
-            feedback = self.preference.feedback(rec.reply, bool(rec.satisfied), self.rng)
+            feedback = self.preference.feedback(rec.reply, bool(rec.satisfied), self.rng, topic)
             if turn < self.turns_per_session:
                 kind, request = make_request(self.rng, self.type_weights, self.pool)
                 text = follow_up(feedback, request)
@@ -450,7 +436,8 @@ def shadow_set(n: int = 40, seed: int = 0, pool: str = "validation", preference:
     pref = get_preference(preference)
     prompts = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}]
                for _, text in eval_messages(n, seed, type_weights, pool)]
-    return ShadowSet(prompts, score=lambda i, text: float(pref.satisfied(text)),
+    topics = [topic_words(p[-1]["content"], pool) for p in prompts]
+    return ShadowSet(prompts, score=lambda i, text: float(pref.satisfied(text, topics[i])),
                      name=f"sim {pool} pool, {n} requests, {preference} preference")
 
 
@@ -479,7 +466,7 @@ async def evaluate(base_url: str, api_key: str, model: str, *, n: int = 100, see
                     client, model, [{"role": "system", "content": SYSTEM_PROMPT},
                                     {"role": "user", "content": text}], headers,
                     max_tokens=max_tokens, temperature=temperature, seed=seed * 100_003 + i)
-                rec.satisfied = preference.satisfied(rec.reply)
+                rec.satisfied = preference.satisfied(rec.reply, topic_words(text, pool))
             except openai.APIError as e:
                 rec.error, rec.latency_s = _error_text(e), time.perf_counter() - t0
                 logger.warning("sim eval request %d failed: %s", i, rec.error)

@@ -15,7 +15,7 @@ from clawray.judging.rules import classify_next_state
 from clawray.models.corpus import REPLY_GREETING, REPLY_OTHER, REPLY_QUESTION
 from clawray.sim import (BriefReplies, DetailedReplies, Preference, SimUser, get_preference, make_request,
                          parse_policy_version, run_users, satisfaction_rate)
-from clawray.sim.feedback import PHRASINGS
+from clawray.sim.feedback import PHRASINGS, REASONS
 from clawray.sim.users import FILL_ORDER, MESSAGE_TYPES, POOL_NAMES, POOLS, eval_messages
 
 REPLIES = [REPLY_GREETING, REPLY_QUESTION, REPLY_OTHER, "", "  ", "Yes.",
@@ -259,3 +259,33 @@ def test_on_topic_rate_is_a_share_of_the_replies_to_questions_and_requests():
             rec("What currency is used in Nepal?", "Money."), rec("Howdy!", "Hi!")]
     assert on_topic_rate(recs, "test") == {"on_topic": 0.5, "on_topic_n": 2}
     assert on_topic_rate([recs[2]], "test") == {"on_topic": None, "on_topic_n": 0}
+
+
+async def test_concise_answers_want_a_short_reply_that_names_what_was_asked():
+    from clawray.sim.users import topic_words
+
+    pref, rng = get_preference("concise_answer"), random.Random(0)
+    assert isinstance(pref, Preference) and pref.phrasing == "users"
+    venus = topic_words("Is Venus a safe destination?")
+    assert pref.satisfied("Venus is safe to visit.", venus)
+    assert not pref.satisfied("Space is vast.", venus)  # short, but about something else
+    assert BriefReplies().satisfied("Space is vast.", venus)  # brevity alone ignores the topic
+    assert not pref.satisfied("Venus " + "is very hot " * 7, venus)  # names it, too long
+    assert pref.satisfied("Hello there!", set()) and pref.satisfied("Hi!")  # nothing to name
+    bodies = PHRASINGS["users"].negative_bodies
+    for reply, reason in (("Space is vast.", "off_topic"), ("Venus " + "is hot " * 12, "long"),
+                          ("", "empty")):
+        said = pref.feedback(reply, False, rng, venus)
+        assert sentiment(said) is False and any(b in said.lower() for b in bodies[reason]), \
+            (reply, said)
+    # a user's session judges each reply by the request it answers, not by the follow-up text
+    seen: list[httpx.Request] = []
+    client = openai.AsyncOpenAI(base_url="http://sim.test/v1", api_key="k", max_retries=0,
+                                http_client=httpx.AsyncClient(transport=httpx.MockTransport(
+                                    _mock_server(["Okay, sure."], seen))))
+    for p, want in ((pref, False), (BriefReplies(), True)):
+        user = SimUser(0, client, "m", p, random.Random(3), turns_per_session=3, run_tag="t",
+                       type_weights={"question": 1.0})
+        out = await user.run_session()
+        assert [i.satisfied for i in out[:3]] == [want] * 3, p.name
+    assert "off_topic" in REASONS

@@ -206,11 +206,13 @@ def wait_models(url: str, proc: subprocess.Popen, timeout_s: float, log: Path,
 
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any]
                      ) -> dict[str, Any]:
-    """One streamed request: latency, TTFT, usage; raises on any failure."""
-    t0 = time.perf_counter()
+    """One streamed request: latency, TTFT, usage, and its wall-clock times and response id
+    (for ``join_timeline``); raises on any failure."""
+    t0, sent_at = time.perf_counter(), time.time()
     ttft = None
     usage = None
     finished = False
+    response_id = None
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
@@ -224,6 +226,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any]
             chunk = json.loads(data)
             if "error" in chunk:
                 raise RuntimeError(f"in-band error: {chunk['error']}")
+            response_id = response_id or chunk.get("id")
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices") or []:
@@ -233,7 +236,8 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any]
                     ttft = time.perf_counter() - t0
     if not finished or ttft is None:
         raise RuntimeError("the stream ended without [DONE] or without any token")
-    return {"latency_s": time.perf_counter() - t0, "ttft_s": ttft, "usage": usage}
+    return {"latency_s": time.perf_counter() - t0, "ttft_s": ttft, "usage": usage,
+            "id": response_id, "sent_at": sent_at, "done_at": time.time()}
 
 
 async def closed_loop(url: str, body: dict[str, Any], concurrency: int, warmup: int,
@@ -275,7 +279,34 @@ async def closed_loop(url: str, body: dict[str, Any], concurrency: int, warmup: 
             "req_per_s": len(results) / wall if wall else 0.0,
             "p50_ms": pct(lat, 50) * 1e3, "p99_ms": pct(lat, 99) * 1e3,
             "ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p99_ms": pct(ttft, 99) * 1e3,
-            "completion_tokens_mean": statistics.fmean(tokens) if tokens else None}
+            "completion_tokens_mean": statistics.fmean(tokens) if tokens else None,
+            "timeline": [{k: r[k] for k in ("id", "sent_at", "done_at")} for r in results]}
+
+
+def join_timeline(timeline: list[dict[str, Any]], records: Path) -> dict[str, Any] | None:
+    """Where a clawray request's time went, from the client's times (``stream_one``) and the
+    records the replica wrote (``started_at``: its handler began; ``finished_at``: the turn
+    was recorded, before ``[DONE]``), joined by response id: ``in_ms`` from the client's send
+    to the handler, ``handler_ms`` in it, ``out_ms`` from the record to the client's last
+    byte (p50 and p90 of each). None where nothing joins (a setup that writes no records)."""
+    if not records.exists():
+        return None
+    served = {}
+    for line in records.read_text().splitlines():
+        rec = json.loads(line)
+        served[rec["record_id"]] = (rec["started_at"], rec["finished_at"])
+    parts: dict[str, list[float]] = {"in_ms": [], "handler_ms": [], "out_ms": []}
+    for req in timeline:
+        if req["id"] not in served:
+            continue
+        started, finished = served[req["id"]]
+        parts["in_ms"].append(1e3 * (started - req["sent_at"]))
+        parts["handler_ms"].append(1e3 * (finished - started))
+        parts["out_ms"].append(1e3 * (req["done_at"] - finished))
+    if not parts["in_ms"]:
+        return None
+    return {"joined": len(parts["in_ms"]),
+            **{f"{k}_p{q}": round(pct(v, q), 1) for k, v in parts.items() for q in (50, 90)}}
 
 
 def cpu_snapshot() -> dict[int, tuple[str, float, int]]:
@@ -480,6 +511,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 cell = asyncio.run(closed_loop(url, body, c, warmup=4 + c, requests=n,
                                                max_s=args.max_level_s))
                 cell.update(cpu_since(before, t0))
+                cell["where"] = join_timeline(cell.pop("timeline"), logdir / f"{name}-turns.jsonl")
                 res["agent"].append(cell)
                 print(f"[{name}] c={c}: {cell['req_per_s']:.1f} req/s, p50 "
                       f"{cell['p50_ms']:.0f} ms, TTFT p50 {cell['ttft_p50_ms']:.0f} ms, "
@@ -526,9 +558,15 @@ def run_interleaved(args: argparse.Namespace) -> dict[str, Any]:
                                                    requests=max(args.requests, 10 * c),
                                                    max_s=args.max_level_s))
                     cell.update(round=r, setup=name, **cpu_since(before, t0))
+                    cell["where"] = join_timeline(cell.pop("timeline"),
+                                                  logdir / f"{name}-turns.jsonl")
                     cells.append(cell)
+                    w = cell["where"]
                     print(f"[round {r}] {name} c={c}: {cell['req_per_s']:.1f} req/s, TTFT p50 "
-                          f"{cell['ttft_p50_ms']:.1f} ms, {cell['errors']} errors", flush=True)
+                          f"{cell['ttft_p50_ms']:.1f} ms, {cell['errors']} errors"
+                          + (f"; p50 ms to the handler {w['in_ms_p50']:.0f}, in it "
+                             f"{w['handler_ms_p50']:.0f}, after the record {w['out_ms_p50']:.0f}"
+                             if w else ""), flush=True)
     finally:
         for servers, _ in running.values():
             stop(servers)

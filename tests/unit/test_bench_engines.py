@@ -3,6 +3,7 @@ environment each clawray setup starts with."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -57,3 +58,20 @@ def test_each_clawray_setup_starts_ray_as_clawray_serve_would(engines, monkeypat
     assert seen == {"clawray-vllm": direct | loop,
                     "clawray-vllm-tput": direct | loop | {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
                     "clawray-vllm-rayctl": direct}
+
+
+def test_a_clawray_requests_time_is_split_at_the_handler_by_its_record(engines, tmp_path):
+    records = tmp_path / "clawray-vllm-turns.jsonl"
+    assert engines.join_timeline([{"id": "a", "sent_at": 0.0, "done_at": 1.0}], records) is None
+    # handler 100.1-100.9 s for "a", 200.2-201.0 for "b"; "c" was never recorded
+    records.write_text("\n".join(json.dumps(r) for r in (
+        {"record_id": "chatcmpl-a", "started_at": 100.1, "finished_at": 100.9},
+        {"record_id": "chatcmpl-b", "started_at": 200.2, "finished_at": 201.0})) + "\n")
+    timeline = [{"id": "chatcmpl-a", "sent_at": 100.0, "done_at": 101.0},
+                {"id": "chatcmpl-b", "sent_at": 200.0, "done_at": 201.3},
+                {"id": "chatcmpl-c", "sent_at": 300.0, "done_at": 301.0}]
+    where = engines.join_timeline(timeline, records)
+    assert where["joined"] == 2
+    assert where["in_ms_p50"] == pytest.approx(150.0) and where["in_ms_p90"] == pytest.approx(190.0)
+    assert where["handler_ms_p50"] == pytest.approx(800.0)
+    assert where["out_ms_p50"] == pytest.approx(200.0) and where["out_ms_p90"] == pytest.approx(280.0)

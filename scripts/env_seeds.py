@@ -23,6 +23,7 @@ import numpy as np
 from scipy import stats
 
 from clawray.apps.env_demo import aggregate_seeds
+from clawray.stats import paired_difference, seed_stats
 
 
 def seed_rows(source: Path) -> list[dict[str, Any]]:
@@ -38,30 +39,26 @@ def arm(sources: list[Path]) -> dict[str, Any]:
     if len(set(seeds)) != len(seeds):
         raise SystemExit(f"a seed appears twice among {', '.join(map(str, sources))}: {seeds}")
     rows.sort(key=lambda r: r["seed"])
-    rises = np.asarray([r["rise"] for r in rows])
+    rises = [r["rise"] for r in rows]
+    rise = seed_stats(rises)
     return {"sources": [str(s) for s in sources], "seeds": rows,
             "before_mean": float(np.mean([r["before"] for r in rows])),
             "after_mean": float(np.mean([r["after"] for r in rows])),
-            "rise_mean": float(rises.mean()),
-            "rise_stderr": float(rises.std(ddof=1) / np.sqrt(len(rises))) if len(rises) > 1
-            else None,
+            "rise_mean": rise["mean"], "rise_stderr": rise["stderr"],
             "rise_ttest_p": float(stats.ttest_1samp(rises, 0.0).pvalue) if len(rises) > 1
             else None,
-            "rose_in": int((rises > 0).sum()), "runs": len(rows)}
+            "rose_in": sum(r > 0 for r in rises), "runs": len(rows)}
 
 
 def paired(first: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
-    """``other``'s rise minus ``first``'s on the seeds both ran."""
-    a = {r["seed"]: r["rise"] for r in first["seeds"]}
-    b = {r["seed"]: r["rise"] for r in other["seeds"]}
-    common = sorted(set(a) & set(b))
-    d = np.asarray([b[s] - a[s] for s in common])
-    out: dict[str, Any] = {"seeds": common, "differences": d.tolist(),
-                           "mean": float(d.mean()) if len(d) else None}
-    if len(d) > 1:
-        out["stderr"] = float(d.std(ddof=1) / np.sqrt(len(d)))
-        out["ttest_p"] = float(stats.ttest_rel([b[s] for s in common],
-                                               [a[s] for s in common]).pvalue)
+    """``other``'s rise minus ``first``'s on the seeds both ran (``paired_difference``)."""
+    a = {r["seed"]: r["rise"] for r in other["seeds"]}
+    b = {r["seed"]: r["rise"] for r in first["seeds"]}
+    c = paired_difference(a, b)
+    out: dict[str, Any] = {"seeds": c["seeds"], "differences": [a[k] - b[k] for k in c["seeds"]],
+                           "mean": c["difference"]["mean"] if c["difference"] else None}
+    if len(c["seeds"]) > 1:
+        out["stderr"], out["ttest_p"] = c["difference"]["stderr"], c["p_value"]
     return out
 
 

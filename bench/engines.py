@@ -62,12 +62,14 @@ MAX_SEQS = 32
 SESSION = ["session_s1_t1", "session_s1_t2", "session_s1_t3_req1", "session_s1_t3_req2"]
 SETUPS = ["clawray-hf", "clawray-vllm", "vllm-serve", "ray-serve-llm"]
 # Also available (not in the default run): clawray-vllm-tput, clawray over vLLM with Ray
-# Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (user code on the replica's main event loop), and
+# Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (user code on the replica's main event loop),
 # clawray-vllm-rayctl, with Serve's controller looping at Ray's default 0.1 s instead of
-# clawray's 1 s (serving.control_loop_interval_s).
-EXTRA_SETUPS = ["clawray-vllm-tput", "clawray-vllm-rayctl"]
-# Ray gives an actor OMP_NUM_THREADS = its CPUs: the Ray setups reserve the whole machine for
-# the engine's replica, as the stand-alone `vllm serve` has it.
+# clawray's 1 s (serving.control_loop_interval_s), and clawray-vllm-raythreads, with vLLM's
+# engine processes started with the OMP_NUM_THREADS Ray gives the replica
+# (inference.engine_threads = its CPUs: clawray's behaviour before 2026-12-07).
+EXTRA_SETUPS = ["clawray-vllm-tput", "clawray-vllm-rayctl", "clawray-vllm-raythreads"]
+# The Ray setups reserve the whole machine for the engine's replica, as the stand-alone
+# `vllm serve` has it (Ray then sets the replica's OMP_NUM_THREADS to them).
 REPLICA_CPUS = os.cpu_count() or 2
 
 
@@ -134,7 +136,8 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
         from clawray.apps.launch import serve_env
         from clawray.config import ServingConfig
 
-        engine = name.removeprefix("clawray-").removesuffix("-tput").removesuffix("-rayctl")
+        engine = (name.removeprefix("clawray-").removesuffix("-tput").removesuffix("-rayctl")
+                  .removesuffix("-raythreads"))
         # the Ray environment `clawray serve` starts with, for these settings
         env = serve_env(ServingConfig(
             direct_ingress=True, throughput_optimized=name.endswith("-tput"),
@@ -145,7 +148,9 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
                             "dtype": "auto" if gpu else "float32",
                             "max_model_len": VLLM_ARGS["max_model_len"]},
                   "inference": {"engine": engine, "max_running": MAX_SEQS,
-                                "kv_cache_gib": None if gpu else 1.0},
+                                "kv_cache_gib": None if gpu else 1.0,
+                                "engine_threads": (REPLICA_CPUS if name.endswith("-raythreads")
+                                                   else None)},
                   "serving": {"layout": "colocated", "record_sink": ["jsonl"],
                               "replica_num_cpus": REPLICA_CPUS,
                               "replica_num_gpus": 1 if gpu else 0,

@@ -88,6 +88,11 @@ class InferenceConfig(_Section):
         "checkpoint it writes from the object store's tensors (CPU and GPU); 'nccl': the "
         "engine starts with vLLM's NCCL weight-transfer engine (weight_transfer_config) and "
         "the learner broadcasts into it (GPU only; clawray/weights/nccl.py).")
+    engine_threads: int | None = Field(
+        None, ge=1, description="vLLM: torch threads in vLLM's engine processes "
+        "(OMP_NUM_THREADS when they start). None: vLLM's own choice, as under `vllm serve`; "
+        "the OMP_NUM_THREADS Ray gives a replica (its num_cpus) is not passed on: at 2 it "
+        "kept vLLM's engine core at 2 spinning threads (bench/README.md, 'Threads').")
     # fixed_latency only (benchmarks and protocol tests)
     fixed_latency_s: float = Field(0.02, ge=0)
 

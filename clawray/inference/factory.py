@@ -66,6 +66,7 @@ def make_engine(model: ModelConfig, inference: InferenceConfig, info: "ModelInfo
             max_lora_rank=max(inference.max_lora_rank, 1),
             max_loras=inference.max_loras or 2,
             weight_transfer=inference.weight_transfer,
+            engine_threads=inference.engine_threads,
         )
     if engine == "fixed_latency":
         from clawray.inference.fixed_latency import FixedLatencyEngine

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,28 @@ from clawray.inference.watchdog import ProcessWatchdog, children_now
 from clawray.models.lora import save_folder, zero_adapter
 
 logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def engine_thread_env(threads: int | None) -> Iterator[None]:
+    """The environment vLLM's engine processes start in: ``OMP_NUM_THREADS`` = ``threads``,
+    or, for None, unset, as under ``vllm serve`` started from a shell without it. vLLM then
+    gives its engine core one torch thread for serving and each CPU worker its bound cores.
+    Inside a Ray actor, Ray has set ``OMP_NUM_THREADS`` to the actor's CPUs; vLLM respects a
+    value it finds and, at 2, kept its engine core's torch at 2 threads, whose spin-waits
+    took cycles from the worker on a 2-core machine (bench/README.md, "Threads")."""
+    before = os.environ.get("OMP_NUM_THREADS")
+    if threads is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
 
 
 class VLLMEngine:
@@ -141,6 +164,7 @@ class VLLMEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        threads = settings.pop("engine_threads", None)
         settings.setdefault("device", vllm_device(distribution))
         if settings["device"] == "cpu":
             settings["enforce_eager"] = True  # no graphs to capture; compiling costs minutes
@@ -150,8 +174,10 @@ class VLLMEngine:
         kwargs.setdefault("structured_outputs_config", StructuredOutputsConfig(backend="xgrammar"))
         args = AsyncEngineArgs(**kwargs)
         before = children_now()
-        engine = cls(AsyncLLM.from_engine_args(args), model=model_path,
-                     policy_version=policy_version, max_waiting=max_waiting)
+        with engine_thread_env(threads):
+            llm = AsyncLLM.from_engine_args(args)
+        engine = cls(llm, model=model_path, policy_version=policy_version,
+                     max_waiting=max_waiting)
         # vLLM's engine core outlives a replica whose Ray node dies (nothing watches its
         # parent): a watchdog process reaps it then (inference/watchdog.py).
         engine._watchdog = ProcessWatchdog.start(children_now() - before)

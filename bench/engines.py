@@ -67,7 +67,10 @@ SETUPS = ["clawray-hf", "clawray-vllm", "vllm-serve", "ray-serve-llm"]
 # clawray's 1 s (serving.control_loop_interval_s), and clawray-vllm-raythreads, with vLLM's
 # engine processes started with the OMP_NUM_THREADS Ray gives the replica
 # (inference.engine_threads = its CPUs: clawray's behaviour before 2026-12-07).
-EXTRA_SETUPS = ["clawray-vllm-tput", "clawray-vllm-rayctl", "clawray-vllm-raythreads"]
+# clawray-uvicorn is clawray's serving code and vLLM engine in one plain process behind uvicorn,
+# without Ray (the engine server of bench/_baseline_servers.py), the shape of `vllm serve`.
+EXTRA_SETUPS = ["clawray-vllm-tput", "clawray-vllm-rayctl", "clawray-vllm-raythreads",
+                "clawray-uvicorn"]
 # The Ray setups reserve the whole machine for the engine's replica, as the stand-alone
 # `vllm serve` has it (Ray then sets the replica's OMP_NUM_THREADS to them).
 REPLICA_CPUS = os.cpu_count() or 2
@@ -130,8 +133,33 @@ def inproc_engine(model: str, max_tokens: int, **settings: Any) -> tuple[str, li
 # ------------------------------------------------------------------------------ servers
 
 
+def clawray_config(name: str, model: str, logdir: Path, engine: str) -> dict[str, Any]:
+    """The clawray config of setup ``name``: the engine arguments of ``VLLM_ARGS``, one
+    colocated replica with the machine's CPUs, records to ``logdir/<name>-turns.jsonl``."""
+    gpu = "gpu_memory_utilization" in VLLM_ARGS
+    return {"model": {"path": model, "served_name": SERVED_NAME,
+                      "device": "cuda" if gpu else "cpu", "dtype": "auto" if gpu else "float32",
+                      "max_model_len": VLLM_ARGS["max_model_len"]},
+            "inference": {"engine": engine, "max_running": MAX_SEQS,
+                          "kv_cache_gib": None if gpu else 1.0,
+                          "engine_threads": (REPLICA_CPUS if name.endswith("-raythreads")
+                                             else None)},
+            "serving": {"layout": "colocated", "record_sink": ["jsonl"],
+                        "replica_num_cpus": REPLICA_CPUS, "replica_num_gpus": 1 if gpu else 0,
+                        "records_path": str(logdir / f"{name}-turns.jsonl"),
+                        "max_tokens_limit": 4096}}
+
+
 def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
     """Start one setup; return its processes and the base URL of its OpenAI API."""
+    if name == "clawray-uvicorn":
+        log, port = logdir / f"{name}.log", free_port()
+        config = clawray_config(name, model, logdir, "vllm")
+        proc = spawn([sys.executable, str(BENCH / "_baseline_servers.py"), "engine",
+                      "--port", str(port), "--config", json.dumps(config)], log)
+        servers, url = Servers([proc]), f"http://127.0.0.1:{port}"
+        wait_models(url, proc, 600, log, servers)
+        return servers, url
     if name.startswith("clawray-"):
         from clawray.apps.launch import serve_env
         from clawray.config import ServingConfig
@@ -142,21 +170,7 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
         env = serve_env(ServingConfig(
             direct_ingress=True, throughput_optimized=name.endswith("-tput"),
             control_loop_interval_s=None if name.endswith("-rayctl") else 1.0))
-        gpu = "gpu_memory_utilization" in VLLM_ARGS
-        config = {"model": {"path": model, "served_name": SERVED_NAME,
-                            "device": "cuda" if gpu else "cpu",
-                            "dtype": "auto" if gpu else "float32",
-                            "max_model_len": VLLM_ARGS["max_model_len"]},
-                  "inference": {"engine": engine, "max_running": MAX_SEQS,
-                                "kv_cache_gib": None if gpu else 1.0,
-                                "engine_threads": (REPLICA_CPUS if name.endswith("-raythreads")
-                                                   else None)},
-                  "serving": {"layout": "colocated", "record_sink": ["jsonl"],
-                              "replica_num_cpus": REPLICA_CPUS,
-                              "replica_num_gpus": 1 if gpu else 0,
-                              "records_path": str(logdir / f"{name}-turns.jsonl"),
-                              "max_tokens_limit": 4096}}
-        servers = start_ray(name, env, config, logdir)
+        servers = start_ray(name, env, clawray_config(name, model, logdir, engine), logdir)
         return servers, servers.urls.get("direct", servers.urls["proxy"])
     log = logdir / f"{name}.log"
     port = free_port()
@@ -340,7 +354,8 @@ def cpu_top(before: dict, after: dict, seconds: float, n: int = 6) -> list[dict[
 
 CPU_GROUPS = [  # (group, what a process's command line starts with or contains)
     ("engine", ("VLLM::",)),
-    ("server", ("ray::ServeReplica", "vllm.entrypoints.openai.api_server")),
+    ("server", ("ray::ServeReplica", "vllm.entrypoints.openai.api_server",
+                "_baseline_servers.py engine")),
     ("ray", ("ray::", "gcs_server", "raylet", "dashboard", "log_monitor", "_ray_server.py",
              "_serve_llm_server.py")),
     ("client", ("bench/engines.py",)),

@@ -3,6 +3,7 @@ environment each clawray setup starts with."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -75,3 +76,48 @@ def test_a_clawray_requests_time_is_split_at_the_handler_by_its_record(engines, 
     assert where["in_ms_p50"] == pytest.approx(150.0) and where["in_ms_p90"] == pytest.approx(190.0)
     assert where["handler_ms_p50"] == pytest.approx(800.0)
     assert where["out_ms_p50"] == pytest.approx(200.0) and where["out_ms_p90"] == pytest.approx(280.0)
+
+
+def test_the_raythreads_setup_gives_vllm_rays_thread_count_and_the_others_none(engines):
+    configs = {n: engines.clawray_config(n, "/model", Path("/tmp/logs"), "vllm")
+               for n in ("clawray-vllm", "clawray-vllm-raythreads", "clawray-uvicorn")}
+    assert {n: c["inference"]["engine_threads"] for n, c in configs.items()} == {
+        "clawray-vllm": None, "clawray-vllm-raythreads": engines.REPLICA_CPUS,
+        "clawray-uvicorn": None}
+    assert configs["clawray-uvicorn"]["serving"]["records_path"] == \
+        "/tmp/logs/clawray-uvicorn-turns.jsonl"  # where join_timeline reads its records
+
+
+async def test_clawrays_code_without_ray_serves_and_records_each_turn(tmp_path, tiny_model_path):
+    """The setup clawray-uvicorn: bench/_baseline_servers.py's engine server, the same
+    IngressCore behind plain uvicorn (here called through ASGI, on the transformers engine and
+    the embedded model), writing the records that ``join_timeline`` splits a request's time
+    with."""
+    import httpx
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        from _baseline_servers import engine_app
+    finally:
+        sys.path.remove(str(BENCH))
+    records = tmp_path / "turns.jsonl"
+    app = engine_app({"model": {"path": str(tiny_model_path), "served_name": "m"},
+                     "inference": {"engine": "hf"},
+                     "serving": {"layout": "colocated", "record_sink": ["jsonl"],
+                                 "records_path": str(records)}})
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://bench") as client:
+        listed = await client.get("/v1/models")
+        assert listed.status_code == 200, listed.text
+        assert [m["id"] for m in listed.json()["data"]] == ["m"]
+        r = await client.post("/v1/chat/completions", json={
+            "model": "m", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    for _ in range(100):  # the JSONL sink writes from its own thread
+        if records.exists() and records.read_text().endswith("\n"):
+            break
+        await asyncio.sleep(0.05)
+    [record] = [json.loads(line) for line in records.read_text().splitlines()]
+    assert record["record_id"] == r.json()["id"]
+    assert 0 < record["started_at"] <= record["finished_at"]

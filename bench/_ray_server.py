@@ -6,6 +6,11 @@ start, applies to a cluster of its own and the benchmark process never runs Ray 
 
     RAY_SERVE_ENABLE_DIRECT_INGRESS=1 python bench/_ray_server.py --port 8123 --config '{...}'
 
+With ``--actor`` it runs no Serve at all: one plain Ray actor (the replica's CPUs) hosts
+clawray's ``IngressCore`` and its engine behind uvicorn on ``--port`` (the engine server of
+``_baseline_servers.py``), to tell what running in a Ray worker costs from what Serve's
+replica costs.
+
 Once the app is running it prints one JSON line (proxy URL, the ingress replicas' own HTTP
 URLs when direct ingress is on, replica pids) and serves until its stdin closes, then stops
 its Ray cluster.
@@ -48,6 +53,41 @@ def direct_ingress_urls(details: dict[str, Any], proxy_port: int) -> list[str]:
     return urls
 
 
+def serve_in_actor(config: dict[str, Any], port: int, num_cpus: float) -> dict[str, Any]:
+    """``_baseline_servers.engine_app(config)`` served by uvicorn on ``port`` from inside a
+    plain Ray actor given ``num_cpus``; returns what ``main`` prints."""
+    import os
+
+    import ray
+
+    bench = os.path.dirname(os.path.abspath(__file__))
+
+    @ray.remote
+    class EngineServer:
+        async def start(self) -> int:
+            import asyncio
+            import sys
+
+            import uvicorn
+
+            sys.path.insert(0, bench)
+            from _baseline_servers import engine_app
+
+            server = uvicorn.Server(uvicorn.Config(engine_app(config), host="127.0.0.1",
+                                                   port=port, log_level="warning",
+                                                   access_log=False))
+            self.task = asyncio.get_running_loop().create_task(server.serve())
+            while not server.started:
+                await asyncio.sleep(0.1)
+            return os.getpid()
+
+    actor = EngineServer.options(num_cpus=num_cpus).remote()
+    pid = ray.get(actor.start.remote())
+    serve_in_actor.actor = actor  # kept alive until Ray stops
+    return {"proxy_url": f"http://127.0.0.1:{port}", "direct_urls": [],
+            "replica_pids": {"EngineServer": [pid]}, "ray_version": ray.__version__}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, required=True, help="Serve proxy HTTP port")
@@ -55,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-cpus", type=int, default=4, help="logical CPUs of the Ray node")
     p.add_argument("--expect-direct", action="store_true",
                    help="wait until the ingress replica's own HTTP port is published")
+    p.add_argument("--actor", action="store_true",
+                   help="no Serve: a plain Ray actor serves clawray's code on --port")
     args = p.parse_args(argv)
 
     import ray
@@ -69,6 +111,12 @@ def main(argv: list[str] | None = None) -> None:
     init_local_ray(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
                    logging_level=logging.WARNING)
     try:
+        if args.actor:
+            config = json.loads(args.config)
+            print(json.dumps(serve_in_actor(config, args.port,
+                                            config["serving"]["replica_num_cpus"])), flush=True)
+            sys.stdin.read()
+            return
         serve.start(http_options={"host": "127.0.0.1", "port": args.port},
                     logging_config=QUIET_LOGGING)
         serve.run(build_app(ClawRayConfig.from_dict(json.loads(args.config))), name=APP_NAME,

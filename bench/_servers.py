@@ -93,13 +93,16 @@ def start_peer(config: dict[str, Any], logdir: Path) -> Servers:
     return servers
 
 
-def start_ray(name: str, env: dict[str, str], config: dict[str, Any], logdir: Path) -> Servers:
-    """clawray's Serve app on a fresh Ray cluster whose processes start with ``env``."""
+def start_ray(name: str, env: dict[str, str], config: dict[str, Any], logdir: Path,
+              actor: bool = False) -> Servers:
+    """clawray's Serve app on a fresh Ray cluster whose processes start with ``env`` (with
+    ``actor``, clawray's code in a plain Ray actor instead, without Serve)."""
     env = {**env, "RAY_SERVE_LOG_TO_STDERR": "0"}
     direct = any(env.get(k) == "1" for k in ("RAY_SERVE_ENABLE_DIRECT_INGRESS",
                                              "RAY_SERVE_THROUGHPUT_OPTIMIZED"))
     cmd = [sys.executable, str(BENCH / "_ray_server.py"), "--port", str(free_port()),
-           "--config", json.dumps(config)] + (["--expect-direct"] if direct else [])
+           "--config", json.dumps(config)] + (["--expect-direct"] if direct else []) + (
+               ["--actor"] if actor else [])
     log = logdir / f"{name}.log"
     proc = spawn(cmd, log, env, stdin=subprocess.PIPE)
     servers = Servers([proc])

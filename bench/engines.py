@@ -68,9 +68,10 @@ SETUPS = ["clawray-hf", "clawray-vllm", "vllm-serve", "ray-serve-llm"]
 # engine processes started with the OMP_NUM_THREADS Ray gives the replica
 # (inference.engine_threads = its CPUs: clawray's behaviour before 2026-12-07).
 # clawray-uvicorn is clawray's serving code and vLLM engine in one plain process behind uvicorn,
-# without Ray (the engine server of bench/_baseline_servers.py), the shape of `vllm serve`.
+# without Ray (the engine server of bench/_baseline_servers.py), the shape of `vllm serve`;
+# clawray-rayactor the same server inside a plain Ray actor, without Serve.
 EXTRA_SETUPS = ["clawray-vllm-tput", "clawray-vllm-rayctl", "clawray-vllm-raythreads",
-                "clawray-uvicorn"]
+                "clawray-uvicorn", "clawray-rayactor"]
 # The Ray setups reserve the whole machine for the engine's replica, as the stand-alone
 # `vllm serve` has it (Ray then sets the replica's OMP_NUM_THREADS to them).
 REPLICA_CPUS = os.cpu_count() or 2
@@ -164,6 +165,10 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
         from clawray.apps.launch import serve_env
         from clawray.config import ServingConfig
 
+        if name == "clawray-rayactor":
+            servers = start_ray(name, {}, clawray_config(name, model, logdir, "vllm"), logdir,
+                                actor=True)
+            return servers, servers.urls["proxy"]
         engine = (name.removeprefix("clawray-").removesuffix("-tput").removesuffix("-rayctl")
                   .removesuffix("-raythreads"))
         # the Ray environment `clawray serve` starts with, for these settings

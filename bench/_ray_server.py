@@ -53,9 +53,11 @@ def direct_ingress_urls(details: dict[str, Any], proxy_port: int) -> list[str]:
     return urls
 
 
-def serve_in_actor(config: dict[str, Any], port: int, num_cpus: float) -> dict[str, Any]:
+def serve_in_actor(config: dict[str, Any], port: int,
+                   num_cpus: float) -> tuple[dict[str, Any], Any]:
     """``_baseline_servers.engine_app(config)`` served by uvicorn on ``port`` from inside a
-    plain Ray actor given ``num_cpus``; returns what ``main`` prints."""
+    plain Ray actor given ``num_cpus``; returns what ``main`` prints, and the actor (which
+    serves as long as its handle is held)."""
     import os
 
     import ray
@@ -83,9 +85,8 @@ def serve_in_actor(config: dict[str, Any], port: int, num_cpus: float) -> dict[s
 
     actor = EngineServer.options(num_cpus=num_cpus).remote()
     pid = ray.get(actor.start.remote())
-    serve_in_actor.actor = actor  # kept alive until Ray stops
     return {"proxy_url": f"http://127.0.0.1:{port}", "direct_urls": [],
-            "replica_pids": {"EngineServer": [pid]}, "ray_version": ray.__version__}
+            "replica_pids": {"EngineServer": [pid]}, "ray_version": ray.__version__}, actor
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -113,9 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.actor:
             config = json.loads(args.config)
-            print(json.dumps(serve_in_actor(config, args.port,
-                                            config["serving"]["replica_num_cpus"])), flush=True)
-            sys.stdin.read()
+            info, _actor = serve_in_actor(config, args.port, config["serving"]["replica_num_cpus"])
+            print(json.dumps(info), flush=True)
+            sys.stdin.read()  # the actor serves while _actor is held
             return
         serve.start(http_options={"host": "127.0.0.1", "port": args.port},
                     logging_config=QUIET_LOGGING)

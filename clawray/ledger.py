@@ -154,11 +154,14 @@ HEADLINE = {
     "demo-lockstep-concise-smollm2-135m-instruct-kl0.1":
         "live demo, SmolLM2, KL 0.1 (docs/models.md)",
     "per-user-demo-smollm2-135m-instruct": "per-user adapters, SmolLM2 (docs/models.md)",
+    "per-user-demo-judge-model-smollm2-135m-instruct":
+        "per-user adapters, SmolLM2, judged by the SmolLM2 judge (docs/models.md)",
 }
 TRAINED_ARM = "/none"  # an arm name ending so is the trained arm; the others are its controls
 # Experiments whose arms are "<mode>/<group>" (users who want different things): per group,
 # the trained arm is this mode's, and the other modes of the group are its comparisons.
-TRAINED_MODE = {"per-user-demo-smollm2-135m-instruct": "per_user"}
+TRAINED_MODE = {"per-user-demo-smollm2-135m-instruct": "per_user",
+                "per-user-demo-judge-model-smollm2-135m-instruct": "per_user"}
 
 
 def headline(lines: Iterable[dict[str, Any]], experiments: dict[str, str] | None = None,

@@ -748,9 +748,11 @@ def main(argv: list[str] | None = None) -> int:
                                 "with their hidden preference (an oracle)")
             p.add_argument("--modes", nargs="+",
                            default=["shared", "per_user", "per_user_shuffled"],
-                           choices=["shared", "per_user", "per_user_shuffled"],
+                           choices=["shared", "per_user", "per_user_shuffled",
+                                    "per_user_hidden"],
                            help="--per-user: which to run (per_user_shuffled: the control, "
-                                "adapters per user judged on other turns' feedback)")
+                                "adapters per user judged on other turns' feedback; "
+                                "per_user_hidden: judged with the reply hidden)")
             p.add_argument("--budget", type=int, help="--per-user, --gate: rows trained per run")
             p.add_argument("--eval-n", type=int, help="held-out evaluation requests (per user "
                            "with --per-user)")

@@ -15,7 +15,9 @@ cluster, with the same sample budget and the same LoRA settings:
   only and served to that user only (``docs/per_user.md``);
 - ``per_user_shuffled``, the control: ``per_user`` with ``judge.control: shuffled_feedback``
   (each turn judged by what a user said about another turn): adapters of their own that must
-  not move toward their users' preference, since what the users said no longer reaches them.
+  not move toward their users' preference, since what the users said no longer reaches them;
+- ``per_user_hidden``, the second control: ``per_user`` with ``judge.control: reply_hidden``
+  (the judge sees the user's reaction but not the reply): what the users' words alone carry.
 
 ``aggregate`` pairs the arms by seed, per group: ``per_user`` against ``shared`` and against
 its control (``scipy.stats.ttest_rel`` through ``clawray.stats.paired_difference``).
@@ -54,8 +56,9 @@ GROUPS: dict[str, type] = {"brief": BriefReplies, "detailed": DetailedReplies}
 # rows; docs/per_user.md). On greetings and questions each group's missing reply is the
 # other's usual one (3-5% of samples), so both groups can learn.
 TYPE_WEIGHTS = {"greeting": 0.5, "question": 0.5}
-MODES = ("shared", "per_user", "per_user_shuffled")
-CONTROL = {"per_user_shuffled": "shuffled_feedback"}  # mode -> judge.control
+MODES = ("shared", "per_user", "per_user_shuffled", "per_user_hidden")
+# mode -> judge.control
+CONTROL = {"per_user_shuffled": "shuffled_feedback", "per_user_hidden": "reply_hidden"}
 USERS_PER_GROUP = 2
 BUDGET = 1536  # rows trained per run, in both modes
 EVAL_N = 60  # held-out requests per user
@@ -262,7 +265,7 @@ def paired(summaries: list[dict[str, Any]]) -> dict[str, Any]:
                 for s in summaries if s["mode"] == mode}
 
     out = {}
-    for other in ("shared", "per_user_shuffled"):
+    for other in ("shared", "per_user_shuffled", "per_user_hidden"):
         if any(s["mode"] == other for s in summaries) and any(
                 s["mode"] == "per_user" for s in summaries):
             out[f"per_user - {other}"] = {g: paired_difference(rises("per_user", g),
@@ -279,7 +282,7 @@ def plot(agg: dict[str, Any], summaries: list[dict[str, Any]], path: Path) -> No
 
     colors = {"brief": "tab:blue", "detailed": "tab:orange"}
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    xs = {"shared": 0, "per_user": 1, "per_user_shuffled": 2}
+    xs = {"shared": 0, "per_user": 1, "per_user_shuffled": 2, "per_user_hidden": 3}
     labelled: set[str] = set()
     for mode, m in agg["modes"].items():
         for j, (g, st) in enumerate(m["groups"].items()):
@@ -293,10 +296,12 @@ def plot(agg: dict[str, Any], summaries: list[dict[str, Any]], path: Path) -> No
                        (x, st["after"]["mean"]), textcoords="offset points", xytext=(0, 8),
                        ha="center", fontsize=8, color=colors[g])
     names = {"shared": "one shared policy", "per_user": "a policy per user",
-             "per_user_shuffled": "per user, shuffled\nfeedback (control)"}
+             "per_user_shuffled": "per user, shuffled\nfeedback (control)",
+             "per_user_hidden": "per user, reply\nhidden (control)"}
     seeds = {m: len(v["seeds"]) for m, v in agg["modes"].items()}
-    a.set(xticks=[0, 1, 2], xticklabels=[f"{names[m]}\n({seeds.get(m, 0)} seeds)"
-                                         for m in ("shared", "per_user", "per_user_shuffled")],
+    shown = [m for m in MODES if m in agg["modes"] or m in ("shared", "per_user")]
+    a.set(xticks=[xs[m] for m in shown], xticklabels=[f"{names[m]}\n({seeds.get(m, 0)} seeds)"
+                                                      for m in shown],
           ylim=(0, 1.08), ylabel=f"satisfied, held-out '{agg['eval_pool']}' prompts",
           title=f"Before → after {agg['budget']} rows (mean ± s.e. over seeds)")
     a.legend(loc="lower center")
@@ -311,12 +316,15 @@ def plot(agg: dict[str, Any], summaries: list[dict[str, Any]], path: Path) -> No
             where = np.clip(np.digitize(rows, edges[1:-1]), 0, len(edges) - 2)
             xs_, ys_ = zip(*[((edges[k] + edges[k + 1]) / 2, rates[where == k].mean())
                              for k in range(len(edges) - 1) if (where == k).any()])
-            b.plot(xs_, ys_, {"per_user": "o-", "shared": "s--"}.get(mode, "^:"),
+            b.plot(xs_, ys_, {"per_user": "o-", "shared": "s--", "per_user_hidden": "v-."
+                              }.get(mode, "^:"),
                    color=colors[g])
     b.plot([], [], "--", color="grey", label="shared policy")
     b.plot([], [], "-", color="grey", label="policy per user")
     if "per_user_shuffled" in agg["modes"]:
         b.plot([], [], ":", color="grey", label="per user, shuffled feedback")
+    if "per_user_hidden" in agg["modes"]:
+        b.plot([], [], "-.", color="grey", label="per user, reply hidden")
     b.set(xlabel="rows trained", ylabel="live satisfaction", ylim=(0, 1.02),
           title="Live users while training (mean over seeds, by eighth of the budget)")
     b.legend(loc="lower left")

@@ -20,7 +20,7 @@ def test_both_modes_are_valid_configs_that_differ_only_in_per_user_training(tmp_
     assert len(set(keys)) == 4 and len(set(make_members(0, 2)) & set(members)) == 0
     cfgs = {m: per_user_demo_config(ClawRayConfig(), tmp_path, 0, m, keys).check()
             for m in MODES}
-    shared, per_user, control = (cfgs[m].to_dict() for m in MODES)
+    shared, per_user, control, hidden = (cfgs[m].to_dict() for m in MODES)
     assert per_user["training"]["per_user"] and not shared["training"]["per_user"]
     for cfg in (shared, per_user):
         assert cfg["training"]["lora_rank"] > 0 and cfg["serving"]["api_keys"] == keys
@@ -28,8 +28,10 @@ def test_both_modes_are_valid_configs_that_differ_only_in_per_user_training(tmp_
     # the control: adapters per user, each turn judged on another turn's feedback
     assert control["training"]["per_user"] and control["judge"]["control"] == \
         "shuffled_feedback"
-    control["judge"]["control"] = "none"
-    assert control == per_user
+    # the second control: the judge reads the reaction without the reply
+    assert hidden["training"]["per_user"] and hidden["judge"]["control"] == "reply_hidden"
+    control["judge"]["control"] = hidden["judge"]["control"] = "none"
+    assert control == per_user and hidden == per_user
     shared["training"]["per_user"] = True
     assert shared == per_user  # the same budget, learner, buffer and judge otherwise
     with pytest.raises(ValueError, match="unknown mode"):
@@ -103,7 +105,7 @@ def test_per_user_is_paired_by_seed_against_the_shared_policy_and_its_control(tm
     from clawray.apps.per_user_demo import combine
 
     rise = {"per_user": (0.2, 0.3, 0.25), "shared": (0.0, 0.1, -0.05),
-            "per_user_shuffled": (0.0, 0.02, 0.01)}
+            "per_user_shuffled": (0.0, 0.02, 0.01), "per_user_hidden": (0.1, 0.1, 0.1)}
     folders = []
     for k, mode in enumerate(MODES):  # each mode run on its own, as runs made one by one
         for seed, r in enumerate(rise[mode]):
@@ -120,6 +122,8 @@ def test_per_user_is_paired_by_seed_against_the_shared_policy_and_its_control(tm
     assert vs_shared["shown"] and vs_shared["p_value"] < 0.05
     vs_control = agg["paired"]["per_user - per_user_shuffled"]["brief"]
     assert vs_control["difference"]["mean"] == pytest.approx(0.24)
+    vs_hidden = agg["paired"]["per_user - per_user_hidden"]["brief"]
+    assert vs_hidden["difference"]["mean"] == pytest.approx(0.15)
     # the detailed group did not move in any arm: no difference, nothing shown
     assert not agg["paired"]["per_user - shared"]["detailed"]["shown"]
     assert (tmp_path / "all" / "per_user.png").stat().st_size > 10_000

@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 # Request headers that mean something to an OpenAI-compatible server (auth, session metadata).
@@ -38,26 +38,13 @@ FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-api-key", "x-
 
 
 def engine_app(config: dict[str, Any]) -> FastAPI:
-    """An OpenAI-compatible server: clawray's route handlers over the configured engine."""
+    """An OpenAI-compatible server: clawray's routes (those of its replica's own server,
+    ``clawray/serve/replica_http.py``) over the configured engine."""
     from clawray.config import ClawRayConfig
     from clawray.serve.ingress import IngressCore
+    from clawray.serve.replica_http import http_app
 
-    core = IngressCore(ClawRayConfig.from_dict(config))
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await core.chat_completions(request)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await core.models(request)
-
-    @app.get("/healthz")
-    async def healthz() -> Response:
-        return JSONResponse({"status": "ok"})
-
-    return app
+    return http_app(IngressCore(ClawRayConfig.from_dict(config)))
 
 
 def proxy_app(upstream: str, max_connections: int = 1024) -> FastAPI:

@@ -69,9 +69,11 @@ SETUPS = ["clawray-hf", "clawray-vllm", "vllm-serve", "ray-serve-llm"]
 # (inference.engine_threads = its CPUs: clawray's behaviour before 2026-12-07).
 # clawray-uvicorn is clawray's serving code and vLLM engine in one plain process behind uvicorn,
 # without Ray (the engine server of bench/_baseline_servers.py), the shape of `vllm serve`;
-# clawray-rayactor the same server inside a plain Ray actor, without Serve.
+# clawray-rayactor the same server inside a plain Ray actor, without Serve;
+# clawray-vllm-replicahttp, clawray's Serve app with its replica serving HTTP itself
+# (serving.replica_http_port: uvicorn on the engine's event loop, Serve's request path skipped).
 EXTRA_SETUPS = ["clawray-vllm-tput", "clawray-vllm-rayctl", "clawray-vllm-raythreads",
-                "clawray-uvicorn", "clawray-rayactor"]
+                "clawray-uvicorn", "clawray-rayactor", "clawray-vllm-replicahttp"]
 # The Ray setups reserve the whole machine for the engine's replica, as the stand-alone
 # `vllm serve` has it (Ray then sets the replica's OMP_NUM_THREADS to them).
 REPLICA_CPUS = os.cpu_count() or 2
@@ -170,12 +172,20 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
                                 actor=True)
             return servers, servers.urls["proxy"]
         engine = (name.removeprefix("clawray-").removesuffix("-tput").removesuffix("-rayctl")
-                  .removesuffix("-raythreads"))
+                  .removesuffix("-raythreads").removesuffix("-replicahttp"))
         # the Ray environment `clawray serve` starts with, for these settings
         env = serve_env(ServingConfig(
             direct_ingress=True, throughput_optimized=name.endswith("-tput"),
             control_loop_interval_s=None if name.endswith("-rayctl") else 1.0))
-        servers = start_ray(name, env, clawray_config(name, model, logdir, engine), logdir)
+        config = clawray_config(name, model, logdir, engine)
+        own = name.endswith("-replicahttp")
+        if own:  # the replica serves HTTP itself (serving.replica_http_port)
+            config["serving"]["replica_http_port"] = free_port()
+        servers = start_ray(name, env, config, logdir)
+        if own:
+            url = f"http://127.0.0.1:{config['serving']['replica_http_port']}"
+            wait_healthy(url, servers.procs[0], 60, logdir / f"{name}.log")
+            return servers, url
         return servers, servers.urls.get("direct", servers.urls["proxy"])
     log = logdir / f"{name}.log"
     port = free_port()

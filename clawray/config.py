@@ -164,6 +164,16 @@ class ServingConfig(_Section):
             "the embedded model or on SmolLM2 over vLLM (bench/README.md)."
         ),
     )
+    replica_http_port: int | None = Field(
+        None, ge=1, le=65535,
+        description=(
+            "Colocated layout: each ingress replica also serves the whole HTTP API with "
+            "clawray's own uvicorn server on serving.host, at the first free port from this "
+            "one (16 tried), on the event loop that runs the engine, skipping Serve's request "
+            "path (the proxy, direct ingress) for those requests. They are counted in "
+            "clawray's metrics but not in Serve's (no autoscaling on them, no session "
+            "routing across replicas). None: off (bench/README.md measures both).")
+    )
     control_loop_interval_s: float | None = Field(
         1.0, gt=0,
         description=(
@@ -981,6 +991,9 @@ class ClawRayConfig(_Section):
             problem = str(e)
         if problem:
             problems.append(problem)
+        if s.replica_http_port is not None and s.layout != "colocated":
+            problems.append("serving.replica_http_port needs serving.layout 'colocated' (the "
+                            "ingress replica serves the engine it holds)")
         if s.default_max_tokens > s.max_tokens_limit:
             problems.append("serving.default_max_tokens must not exceed serving.max_tokens_limit")
         if m.path.startswith("bundled:"):

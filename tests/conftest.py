@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from clawray.ledger import LEDGER_ENV
-from tests.support.common import REPO, RLA_NOTEBOOK_SCALE, Served, die_with_parent
+from tests.support.common import REPO, RLA_NOTEBOOK_SCALE, Served, die_with_parent, free_port
 from tests.support.serving import serve_app
 
 # Tests evaluate on held-out pools too: their ledger lines go to a file of the session's own
@@ -244,8 +244,11 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def served_hf(ray_cluster, tiny_model_path, tmp_path_factory) -> Served:
-    """The embedded default served by the transformers engine (app "clawray" at /)."""
-    return serve_app("clawray", "/", tmp_path_factory)
+    """The embedded default served by the transformers engine (app "clawray" at /); its
+    replica also serves HTTP itself (serving.replica_http_port; tests/cpu/serve/
+    test_replica_http_on_cpu.py), every other test goes through Serve's path."""
+    return serve_app("clawray", "/", tmp_path_factory,
+                     serving={"replica_http_port": free_port()})
 
 
 @pytest.fixture(scope="session")

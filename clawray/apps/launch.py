@@ -89,9 +89,19 @@ def start_serving(cfg: ClawRayConfig, *, blocking: bool) -> str:
     # A blocking handle call is refused inside a running event loop (a Jupyter cell): probe
     # from a worker thread there.
     ours = _off_event_loop(instances)
+    own: list[str] = []
+    if s.replica_http_port is not None and s.layout == "colocated":
+        # replicas serving HTTP themselves (serving.replica_http_port): they say where
+        own = sorted(_off_event_loop(lambda: {
+            handle.replica_http_url.remote().result() for _ in range(4 * s.ingress_replicas)}
+            ) - {None})
+        for url in own:
+            print(f"clawray: ingress replica serving HTTP itself at {url}/v1", flush=True)
     direct = direct_ingress_urls(s.host, ours)
     for url in direct:
-        print(f"clawray: ingress replica serving directly at {url}/v1 (fastest)", flush=True)
+        print(f"clawray: ingress replica serving directly at {url}/v1"
+              + ("" if own else " (fastest)"), flush=True)
+    direct = own + direct
     if blocking:
         while True:
             time.sleep(3600)

@@ -8,19 +8,17 @@ pause/resume, weights, the collecting switch) is a plain method, reachable only 
 handle from inside the cluster — never through HTTP.
 """
 
-# No `from __future__ import annotations` here: Serve's ingress wrapper resolves the route
-# signatures at runtime, and string annotations turn `request: Request` into a query parameter
-# (every request then fails with HTTP 422).
+from __future__ import annotations
+
 import asyncio
 import logging
 import time
 import uuid
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clawray.config import ClawRayConfig
 from clawray.gate.core import ServingTally
@@ -35,20 +33,12 @@ from clawray.serve.metrics import CountingSink, ServingMetrics
 from clawray.serve.response_store import start_response_store
 from clawray.serve.policy_server import HandlePolicy, LocalPolicy, PolicyCore
 from clawray.serve.protocol import APIError, parse_feedback, parse_request
+from clawray.serve.replica_http import ReplicaHTTP, http_app
 from clawray.sessions.pipeline import HubSink, HubUnavailable, start_live_pipeline
 from clawray.weights.control import start_app_control
 from clawray.weights.receiver import WeightReceiver, start_receiver
 
 logger = logging.getLogger(__name__)
-
-api = FastAPI(title="clawray", docs_url=None, redoc_url=None, openapi_url=None)
-
-
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    err = APIError(exc.status_code, str(exc.detail), type="invalid_request_error")
-    return JSONResponse(err.body(), status_code=exc.status_code)
-
 
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
@@ -348,7 +338,7 @@ async def _prepend(first: str, rest: Any) -> Any:
 
 
 @serve.deployment(name="Ingress")
-@serve.ingress(api)
+@serve.ingress()  # the routes: __serve_build_asgi_app__, one table with the replica's server
 class Ingress:
     """Serve shell around ``IngressCore``; admin methods are handle-only."""
 
@@ -356,51 +346,26 @@ class Ingress:
                        judge_handle: Any = None) -> None:  # Serve awaits an async constructor
         # judge_handle only keeps a JudgeServer in the app; PRM voters look it up by name.
         app_name = serve.get_replica_context().app_name
-        self._core = IngressCore(ClawRayConfig.from_dict(config).apply_log_level(),
-                                 policy_handle, app_name)
+        cfg = ClawRayConfig.from_dict(config).apply_log_level()
+        self._core = IngressCore(cfg, policy_handle, app_name)
+        self._http: ReplicaHTTP | None = None
         if self._core.core is not None:  # colocated: the engine is here
             await self._core.core.warm_up()
+            s = cfg.serving_cfg
+            if s.replica_http_port is not None:  # clawray's own server, on the engine's loop
+                self._http = await ReplicaHTTP.start(http_app(self._core), s.host,
+                                                     s.replica_http_port)
+                logger.warning("clawray: ingress replica serving HTTP itself at %s/v1",
+                               self._http.url)
 
-    @api.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._core.chat_completions(request)
-
-    @api.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
-        return await self._core.completions(request)
-
-    @api.post("/v1/messages")
-    async def messages(self, request: Request) -> Response:
-        return await self._core.messages(request)
-
-    @api.post("/v1/responses")
-    async def responses(self, request: Request) -> Response:
-        return await self._core.responses(request)
-
-    @api.get("/v1/responses/{response_id}")
-    async def get_response(self, request: Request, response_id: str) -> Response:
-        return await self._core.stored_response(request, response_id)
-
-    @api.delete("/v1/responses/{response_id}")
-    async def delete_response(self, request: Request, response_id: str) -> Response:
-        return await self._core.stored_response(request, response_id, delete=True)
-
-    @api.post("/v1/feedback")
-    async def feedback(self, request: Request) -> Response:
-        return await self._core.feedback(request)
-
-    @api.get("/v1/models")
-    async def models(self, request: Request) -> Response:
-        return await self._core.models(request)
+    def __serve_build_asgi_app__(self) -> Any:
+        """The public routes Serve's path serves (Serve calls it after ``__init__``)."""
+        return http_app(self._core)
 
     def check_health(self) -> None:
         """Serve's replica health check: fails once a colocated engine cannot serve."""
         if self._core.core is not None:
             self._core.core.check_health()
-
-    @api.get("/healthz")
-    async def healthz(self) -> Response:
-        return JSONResponse({"status": "ok", "instance": self._core.instance_id})
 
     # ---- handle-only admin surface (no route) ----
     def instance_id(self) -> str:
@@ -440,7 +405,14 @@ class Ingress:
         """The policy gate's shadow replies (``IngressCore.gate_replies``; handle only)."""
         return await self._core.gate_replies(prompts, adapter, **kwargs)
 
+    def replica_http_url(self) -> str | None:
+        """Where this replica serves HTTP itself (``serving.replica_http_port``), or None."""
+        return self._http.url if self._http is not None else None
+
     def __del__(self) -> None:  # Serve calls it on shutdown: stop polling, deregister
+        http = getattr(self, "_http", None)
+        if http is not None:
+            http.close()
         receiver = getattr(getattr(self, "_core", None), "receiver", None)
         if receiver is not None:
             receiver.close()

@@ -11,8 +11,10 @@ from tests.support.common import API_KEY, OTHER_KEY, Served, free_port
 DONE_SESSIONS_IDLE_S = 120
 
 
-def serve_app(name: str, route: str, tmp_path_factory, **inference) -> Served:
-    """One clawray app on the shared Serve instance (started by the first call)."""
+def serve_app(name: str, route: str, tmp_path_factory, serving: dict | None = None,
+              **inference) -> Served:
+    """One clawray app on the shared Serve instance (started by the first call); ``serving``:
+    settings of its serving section beyond the suite's."""
     from ray import serve
 
     from clawray.config import ClawRayConfig
@@ -31,7 +33,7 @@ def serve_app(name: str, route: str, tmp_path_factory, **inference) -> Served:
            .inference(**{"engine": "hf", "max_running": 16, "max_loras": 4, **inference})
            .serving(api_keys=[API_KEY, OTHER_KEY], record_sink=["jsonl", "hub"], records_path=str(records),
                     max_body_bytes=400_000, max_tokens_limit=100_000, default_max_tokens=32,
-                    trusted_app_tenants=[tenant_of_key(API_KEY)])
+                    trusted_app_tenants=[tenant_of_key(API_KEY)], **(serving or {}))
            # idle 20 s: a multi-turn test's next turn (a generation or two, a feedback call)
            # must reach the hub within it on a loaded machine, or its turn is not judged
            .sessions(num_hubs=2, idle_timeout_s=20, feedback_window_s=3, flush_interval_s=0.2)

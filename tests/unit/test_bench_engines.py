@@ -61,6 +61,26 @@ def test_each_clawray_setup_starts_ray_as_clawray_serve_would(engines, monkeypat
                     "clawray-vllm-rayctl": direct}
 
 
+def test_the_replicahttp_setup_is_clawray_vllm_with_the_replica_serving_http_itself(
+        engines, monkeypatch):
+    seen = {}
+
+    def fake_start_ray(name, env, config, logdir):
+        seen[name] = (env, config)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(engines, "start_ray", fake_start_ray)
+    for name in ("clawray-vllm", "clawray-vllm-replicahttp"):
+        with pytest.raises(RuntimeError, match="stop here"):
+            engines.start_setup(name, "/model", Path("/tmp"))
+    (env, plain), (own_env, own) = seen["clawray-vllm"], seen["clawray-vllm-replicahttp"]
+    assert own_env == env and own["inference"]["engine"] == "vllm"
+    assert "replica_http_port" not in plain["serving"]
+    assert isinstance(own["serving"].pop("replica_http_port"), int)
+    own["serving"]["records_path"] = plain["serving"]["records_path"]
+    assert own == plain  # nothing else differs
+
+
 def test_a_clawray_requests_time_is_split_at_the_handler_by_its_record(engines, tmp_path):
     records = tmp_path / "clawray-vllm-turns.jsonl"
     assert engines.join_timeline([{"id": "a", "sent_at": 0.0, "done_at": 1.0}], records) is None

@@ -749,10 +749,11 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--modes", nargs="+",
                            default=["shared", "per_user", "per_user_shuffled"],
                            choices=["shared", "per_user", "per_user_shuffled",
-                                    "per_user_hidden"],
+                                    "per_user_hidden", "per_user_frozen"],
                            help="--per-user: which to run (per_user_shuffled: the control, "
                                 "adapters per user judged on other turns' feedback; "
-                                "per_user_hidden: judged with the reply hidden)")
+                                "per_user_hidden: judged with the reply hidden; "
+                                "per_user_frozen: training off, measured twice)")
             p.add_argument("--budget", type=int, help="--per-user, --gate: rows trained per run")
             p.add_argument("--eval-n", type=int, help="held-out evaluation requests (per user "
                            "with --per-user)")

@@ -17,7 +17,10 @@ cluster, with the same sample budget and the same LoRA settings:
   (each turn judged by what a user said about another turn): adapters of their own that must
   not move toward their users' preference, since what the users said no longer reaches them;
 - ``per_user_hidden``, the second control: ``per_user`` with ``judge.control: reply_hidden``
-  (the judge sees the user's reaction but not the reply): what the users' words alone carry.
+  (the judge sees the user's reaction but not the reply): what the users' words alone carry;
+- ``per_user_frozen``, the third: ``per_user``'s settings with training off: the held-out
+  evaluation run twice with nothing trained between (no users play: without training what
+  they say changes nothing), the drift of the measurement itself.
 
 ``aggregate`` pairs the arms by seed, per group: ``per_user`` against ``shared`` and against
 its control (``scipy.stats.ttest_rel`` through ``clawray.stats.paired_difference``).
@@ -56,7 +59,7 @@ GROUPS: dict[str, type] = {"brief": BriefReplies, "detailed": DetailedReplies}
 # rows; docs/per_user.md). On greetings and questions each group's missing reply is the
 # other's usual one (3-5% of samples), so both groups can learn.
 TYPE_WEIGHTS = {"greeting": 0.5, "question": 0.5}
-MODES = ("shared", "per_user", "per_user_shuffled", "per_user_hidden")
+MODES = ("shared", "per_user", "per_user_shuffled", "per_user_hidden", "per_user_frozen")
 # mode -> judge.control
 CONTROL = {"per_user_shuffled": "shuffled_feedback", "per_user_hidden": "reply_hidden"}
 USERS_PER_GROUP = 2
@@ -152,14 +155,16 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, mode: str,
         before = asyncio.run(evaluate_users(base_url, model, members, preferences, n=eval_n,
                                             seed=seed, pool=eval_pool, **sampling))
         log("  before: " + _groups_line(before))
-        trainer = Trainer(config=cfg.to_dict())
+        curve: list[dict[str, Any]] = []
+        trained, seen, steps, interactions = 0, 0, 0, []
+        trains = mode != "per_user_frozen"  # training off: measure again at once
+        trainer = Trainer(config=cfg.to_dict()) if trains else None
         index = {i: g for i, (g, _, _) in enumerate(members)}
         pool = UserPool(base_url, model, [(k, preferences[g]) for g, _, k in members], seed,
-                        out / "interactions.jsonl", TYPE_WEIGHTS, **sampling).start()
-        curve: list[dict[str, Any]] = []
-        trained, seen, steps = 0, 0, 0
+                        out / "interactions.jsonl", TYPE_WEIGHTS, **sampling
+                        ).start() if trains else None
         try:
-            while trained < budget and steps < 4 * budget // 16:
+            while trainer is not None and trained < budget and steps < 4 * budget // 16:
                 r = trainer.train()
                 steps += 1
                 trained += int(r.get("user_rows", 0) if trains_per_user(mode)
@@ -173,8 +178,11 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, mode: str,
                     + "  ".join(f"{g} {v:.0%}" if v is not None else f"{g} -"
                                 for g, v in live.items()))
         finally:
-            pool.stop()
-            trainer.stop()
+            if pool is not None:
+                pool.stop()
+                interactions = list(pool.interactions)
+            if trainer is not None:
+                trainer.stop()
         after = asyncio.run(evaluate_users(base_url, model, members, preferences, n=eval_n,
                                            seed=seed, pool=eval_pool, **sampling))
         log("  after:  " + _groups_line(after))
@@ -187,7 +195,7 @@ def run_once(cfg: ClawRayConfig, out: Path, *, seed: int, mode: str,
                "type_weights": TYPE_WEIGHTS, "sampling": sampling,
                "judge": judge_description(cfg), "users_phrasing": phrasing,
                "before": before, "after": after, "curve": curve,
-               "user_errors": sum(x.error is not None for x in pool.interactions),
+               "user_errors": sum(x.error is not None for x in interactions),
                "seconds": round(time.monotonic() - started, 1)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     ledger.record_lines(ledger_lines(summary))
@@ -265,7 +273,7 @@ def paired(summaries: list[dict[str, Any]]) -> dict[str, Any]:
                 for s in summaries if s["mode"] == mode}
 
     out = {}
-    for other in ("shared", "per_user_shuffled", "per_user_hidden"):
+    for other in ("shared", "per_user_shuffled", "per_user_hidden", "per_user_frozen"):
         if any(s["mode"] == other for s in summaries) and any(
                 s["mode"] == "per_user" for s in summaries):
             out[f"per_user - {other}"] = {g: paired_difference(rises("per_user", g),
@@ -282,7 +290,8 @@ def plot(agg: dict[str, Any], summaries: list[dict[str, Any]], path: Path) -> No
 
     colors = {"brief": "tab:blue", "detailed": "tab:orange"}
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    xs = {"shared": 0, "per_user": 1, "per_user_shuffled": 2, "per_user_hidden": 3}
+    xs = {"shared": 0, "per_user": 1, "per_user_shuffled": 2, "per_user_hidden": 3,
+          "per_user_frozen": 4}
     labelled: set[str] = set()
     for mode, m in agg["modes"].items():
         for j, (g, st) in enumerate(m["groups"].items()):
@@ -297,7 +306,8 @@ def plot(agg: dict[str, Any], summaries: list[dict[str, Any]], path: Path) -> No
                        ha="center", fontsize=8, color=colors[g])
     names = {"shared": "one shared policy", "per_user": "a policy per user",
              "per_user_shuffled": "per user, shuffled\nfeedback (control)",
-             "per_user_hidden": "per user, reply\nhidden (control)"}
+             "per_user_hidden": "per user, reply\nhidden (control)",
+             "per_user_frozen": "training off\n(control)"}
     seeds = {m: len(v["seeds"]) for m, v in agg["modes"].items()}
     shown = [m for m in MODES if m in agg["modes"] or m in ("shared", "per_user")]
     a.set(xticks=[xs[m] for m in shown], xticklabels=[f"{names[m]}\n({seeds.get(m, 0)} seeds)"

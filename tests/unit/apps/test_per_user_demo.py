@@ -20,7 +20,8 @@ def test_both_modes_are_valid_configs_that_differ_only_in_per_user_training(tmp_
     assert len(set(keys)) == 4 and len(set(make_members(0, 2)) & set(members)) == 0
     cfgs = {m: per_user_demo_config(ClawRayConfig(), tmp_path, 0, m, keys).check()
             for m in MODES}
-    shared, per_user, control, hidden = (cfgs[m].to_dict() for m in MODES)
+    shared, per_user, control, hidden, frozen = (cfgs[m].to_dict() for m in MODES)
+    assert frozen == per_user  # training off is per_user's settings; run_once trains nothing
     assert per_user["training"]["per_user"] and not shared["training"]["per_user"]
     for cfg in (shared, per_user):
         assert cfg["training"]["lora_rank"] > 0 and cfg["serving"]["api_keys"] == keys
@@ -105,7 +106,8 @@ def test_per_user_is_paired_by_seed_against_the_shared_policy_and_its_control(tm
     from clawray.apps.per_user_demo import combine
 
     rise = {"per_user": (0.2, 0.3, 0.25), "shared": (0.0, 0.1, -0.05),
-            "per_user_shuffled": (0.0, 0.02, 0.01), "per_user_hidden": (0.1, 0.1, 0.1)}
+            "per_user_shuffled": (0.0, 0.02, 0.01), "per_user_hidden": (0.1, 0.1, 0.1),
+            "per_user_frozen": (0.0, 0.0, 0.01)}
     folders = []
     for k, mode in enumerate(MODES):  # each mode run on its own, as runs made one by one
         for seed, r in enumerate(rise[mode]):
@@ -124,6 +126,8 @@ def test_per_user_is_paired_by_seed_against_the_shared_policy_and_its_control(tm
     assert vs_control["difference"]["mean"] == pytest.approx(0.24)
     vs_hidden = agg["paired"]["per_user - per_user_hidden"]["brief"]
     assert vs_hidden["difference"]["mean"] == pytest.approx(0.15)
+    vs_frozen = agg["paired"]["per_user - per_user_frozen"]["brief"]
+    assert vs_frozen["difference"]["mean"] == pytest.approx(0.2466667)
     # the detailed group did not move in any arm: no difference, nothing shown
     assert not agg["paired"]["per_user - shared"]["detailed"]["shown"]
     assert (tmp_path / "all" / "per_user.png").stat().st_size > 10_000

@@ -368,7 +368,9 @@ def cpu_top(before: dict, after: dict, seconds: float, n: int = 6) -> list[dict[
 
 
 CPU_GROUPS = [  # (group, what a process's command line starts with or contains)
-    ("engine", ("VLLM::",)),
+    # vLLM's engine processes; some keep the spawn command line instead of their title
+    # (seen for the clawray-vllm-replicahttp setup's engine): only vLLM spawns here
+    ("engine", ("VLLM::", "from multiprocessing.spawn import spawn_main")),
     ("server", ("ray::ServeReplica", "vllm.entrypoints.openai.api_server",
                 "_baseline_servers.py engine")),
     ("ray", ("ray::", "gcs_server", "raylet", "dashboard", "log_monitor", "_ray_server.py",

@@ -35,6 +35,10 @@ def test_cpu_is_grouped_by_kind_of_process_and_the_top_ones_show_their_niceness(
              8: ("ray::ServeController  ", 0.3, 15)}  # started during the cell
     assert engines.cpu_groups(before, after, 10.0) == {
         "engine": 160.0, "server": 10.0, "ray": 8.0, "client": 2.0, "other": 1.0}
+    # an engine process that kept its spawn command line instead of its title
+    spawned = "/x/python -B -c from multiprocessing.spawn import spawn_main; spawn_main(t"
+    assert engines.cpu_groups({9: (spawned, 1.0, 15)}, {9: (spawned, 9.0, 15)}, 10.0)[
+        "engine"] == 80.0
     top = engines.cpu_top(before, after, 10.0, n=3)
     assert top == [{"process": "VLLM::Worker", "cpu_pct": 80.0, "nice": 0},
                    {"process": "VLLM::EngineCore", "cpu_pct": 80.0, "nice": 0},

@@ -71,12 +71,9 @@ SETUPS = ["clawray-hf", "clawray-vllm", "vllm-serve", "ray-serve-llm"]
 # without Ray (the engine server of bench/_baseline_servers.py), the shape of `vllm serve`;
 # clawray-rayactor the same server inside a plain Ray actor, without Serve;
 # clawray-vllm-replicahttp, clawray's Serve app with its replica serving HTTP itself
-# (serving.replica_http_port: uvicorn on the engine's event loop, Serve's request path skipped);
-# clawray-vllm-switch1ms, its replica with Python's thread switch interval at 1 ms instead of
-# 5 (serving.switch_interval_s).
+# (serving.replica_http_port: uvicorn on the engine's event loop, Serve's request path skipped).
 EXTRA_SETUPS = ["clawray-vllm-tput", "clawray-vllm-rayctl", "clawray-vllm-raythreads",
-                "clawray-uvicorn", "clawray-rayactor", "clawray-vllm-replicahttp",
-                "clawray-vllm-switch1ms"]
+                "clawray-uvicorn", "clawray-rayactor", "clawray-vllm-replicahttp"]
 # The Ray setups reserve the whole machine for the engine's replica, as the stand-alone
 # `vllm serve` has it (Ray then sets the replica's OMP_NUM_THREADS to them).
 REPLICA_CPUS = os.cpu_count() or 2
@@ -151,7 +148,6 @@ def clawray_config(name: str, model: str, logdir: Path, engine: str) -> dict[str
                           "engine_threads": (REPLICA_CPUS if name.endswith("-raythreads")
                                              else None)},
             "serving": {"layout": "colocated", "record_sink": ["jsonl"],
-                        "switch_interval_s": 0.001 if name.endswith("-switch1ms") else None,
                         "replica_num_cpus": REPLICA_CPUS, "replica_num_gpus": 1 if gpu else 0,
                         "records_path": str(logdir / f"{name}-turns.jsonl"),
                         "max_tokens_limit": 4096}}
@@ -176,8 +172,7 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
                                 actor=True)
             return servers, servers.urls["proxy"]
         engine = (name.removeprefix("clawray-").removesuffix("-tput").removesuffix("-rayctl")
-                  .removesuffix("-raythreads").removesuffix("-replicahttp")
-                  .removesuffix("-switch1ms"))
+                  .removesuffix("-raythreads").removesuffix("-replicahttp"))
         # the Ray environment `clawray serve` starts with, for these settings
         env = serve_env(ServingConfig(
             direct_ingress=True, throughput_optimized=name.endswith("-tput"),

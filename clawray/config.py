@@ -164,15 +164,6 @@ class ServingConfig(_Section):
             "the embedded model or on SmolLM2 over vLLM (bench/README.md)."
         ),
     )
-    switch_interval_s: float | None = Field(
-        None, gt=0, le=0.1,
-        description=(
-            "Python's thread switch interval in the serving replicas (sys.setswitchinterval): "
-            "how long a thread waiting for the GIL may wait for the one holding it. A Ray "
-            "worker runs more Python threads than `vllm serve`'s process (Serve's loops, "
-            "Ray's), and vLLM's output handler waits for the GIL at every engine step. None: "
-            "Python's 5 ms (bench/README.md measures 1 ms).")
-    )
     replica_http_port: int | None = Field(
         None, ge=1, le=65535,
         description=(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import sys
 import time
 
 import logging
@@ -167,9 +166,6 @@ class PolicyCore:
     """
 
     def __init__(self, cfg: ClawRayConfig) -> None:
-        switch = cfg.serving_cfg.switch_interval_s
-        if switch is not None:  # the process that runs the engine's front end
-            sys.setswitchinterval(switch)
         self.engine, self.info = load_policy_engine(cfg)
         self.receiver: WeightReceiver | None = start_receiver(self.engine)
         self.sessions = SessionCounts()

@@ -108,10 +108,6 @@ def test_the_raythreads_setup_gives_vllm_rays_thread_count_and_the_others_none(e
     assert {n: c["inference"]["engine_threads"] for n, c in configs.items()} == {
         "clawray-vllm": None, "clawray-vllm-raythreads": engines.REPLICA_CPUS,
         "clawray-uvicorn": None}
-    assert {n: c["serving"]["switch_interval_s"] for n, c in configs.items()} == dict.fromkeys(
-        configs)  # Python's own everywhere but in the switch1ms setup
-    assert engines.clawray_config("clawray-vllm-switch1ms", "/model", Path("/tmp/logs"), "vllm"
-                                  )["serving"]["switch_interval_s"] == 0.001
     assert configs["clawray-uvicorn"]["serving"]["records_path"] == \
         "/tmp/logs/clawray-uvicorn-turns.jsonl"  # where join_timeline reads its records
 

@@ -90,7 +90,7 @@ def start_serving(cfg: ClawRayConfig, *, blocking: bool) -> str:
     # from a worker thread there.
     ours = _off_event_loop(instances)
     own: list[str] = []
-    if s.replica_http_port is not None and s.layout == "colocated":
+    if s.replica_http_port is not None:  # colocated only (config.check)
         # replicas serving HTTP themselves (serving.replica_http_port): they say where
         own = sorted(_off_event_loop(lambda: {
             handle.replica_http_url.remote().result() for _ in range(4 * s.ingress_replicas)}

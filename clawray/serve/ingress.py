@@ -348,19 +348,19 @@ class Ingress:
         app_name = serve.get_replica_context().app_name
         cfg = ClawRayConfig.from_dict(config).apply_log_level()
         self._core = IngressCore(cfg, policy_handle, app_name)
+        self._app = http_app(self._core)  # Serve's path and the replica's own server share it
         self._http: ReplicaHTTP | None = None
         if self._core.core is not None:  # colocated: the engine is here
             await self._core.core.warm_up()
             s = cfg.serving_cfg
             if s.replica_http_port is not None:  # clawray's own server, on the engine's loop
-                self._http = await ReplicaHTTP.start(http_app(self._core), s.host,
-                                                     s.replica_http_port)
+                self._http = await ReplicaHTTP.start(self._app, s.host, s.replica_http_port)
                 logger.warning("clawray: ingress replica serving HTTP itself at %s/v1",
                                self._http.url)
 
     def __serve_build_asgi_app__(self) -> Any:
         """The public routes Serve's path serves (Serve calls it after ``__init__``)."""
-        return http_app(self._core)
+        return self._app
 
     def check_health(self) -> None:
         """Serve's replica health check: fails once a colocated engine cannot serve."""

@@ -72,11 +72,8 @@ SETUPS = ["clawray-hf", "clawray-vllm", "vllm-serve", "ray-serve-llm"]
 # clawray-rayactor the same server inside a plain Ray actor, without Serve;
 # clawray-vllm-replicahttp, clawray's Serve app with its replica serving HTTP itself
 # (serving.replica_http_port: uvicorn on the engine's event loop, Serve's request path skipped).
-# clawray-vllm-nogcfreeze, clawray's Serve app with serving.freeze_gc off (its replica's
-# start-up heap stays in the GC's generations: clawray's behaviour before 2026-12-07).
 EXTRA_SETUPS = ["clawray-vllm-tput", "clawray-vllm-rayctl", "clawray-vllm-raythreads",
-                "clawray-uvicorn", "clawray-rayactor", "clawray-vllm-replicahttp",
-                "clawray-vllm-nogcfreeze"]
+                "clawray-uvicorn", "clawray-rayactor", "clawray-vllm-replicahttp"]
 # The Ray setups reserve the whole machine for the engine's replica, as the stand-alone
 # `vllm serve` has it (Ray then sets the replica's OMP_NUM_THREADS to them).
 REPLICA_CPUS = os.cpu_count() or 2
@@ -175,15 +172,12 @@ def start_setup(name: str, model: str, logdir: Path) -> tuple[Servers, str]:
                                 actor=True)
             return servers, servers.urls["proxy"]
         engine = (name.removeprefix("clawray-").removesuffix("-tput").removesuffix("-rayctl")
-                  .removesuffix("-raythreads").removesuffix("-replicahttp")
-                  .removesuffix("-nogcfreeze"))
+                  .removesuffix("-raythreads").removesuffix("-replicahttp"))
         # the Ray environment `clawray serve` starts with, for these settings
         env = serve_env(ServingConfig(
             direct_ingress=True, throughput_optimized=name.endswith("-tput"),
             control_loop_interval_s=None if name.endswith("-rayctl") else 1.0))
         config = clawray_config(name, model, logdir, engine)
-        if name.endswith("-nogcfreeze"):
-            config["serving"]["freeze_gc"] = False
         own = name.endswith("-replicahttp")
         if own:  # the replica serves HTTP itself (serving.replica_http_port)
             config["serving"]["replica_http_port"] = free_port()

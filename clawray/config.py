@@ -185,16 +185,6 @@ class ServingConfig(_Section):
             "it from its own environment (docs/deploy.md)."
         ),
     )
-    freeze_gc: bool = Field(
-        True,
-        description=(
-            "Serving replicas (ingress, PolicyServer, JudgeServer) move everything they hold "
-            "after start-up and warm-up into Python's permanent GC generation (gc.freeze), as "
-            "`vllm serve`'s API server does: a full collection then walks only what serving "
-            "allocated, not the ~760k objects torch, vLLM, transformers and Ray leave behind "
-            "(a full collection of those took ~0.3 s on 2 cores, the event loop stopped)."
-        ),
-    )
     ingress_replicas: int = Field(1, ge=1)
     policy_replicas: int = Field(1, ge=1)
     session_affinity: bool = Field(

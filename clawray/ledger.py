@@ -145,12 +145,13 @@ def table(lines: Iterable[dict[str, Any]], pool: str = "test") -> str:
     return "\n".join(rows)
 
 
-# The README's table of results (``headline``): the live demo on the embedded model, and on
-# SmolLM2 without and with the KL weight; per-user adapters on SmolLM2 (two groups of users
-# who want opposite things); what each experiment claims is in its docs.
+# The README's table of results (``headline``): the live demo on the embedded model and on
+# SmolLM2 (KL 0.1); per-user adapters on SmolLM2 (two groups of users who want opposite
+# things); what each experiment claims is in its docs. SmolLM2's first setting (no KL,
+# ``demo-lockstep-concise-smollm2-135m-instruct``) is not a headline: it has no training-off
+# arm, and its trained arm was not shown apart from its shuffled control (docs/models.md).
 HEADLINE = {
     "demo-lockstep": "live demo, embedded model (docs/training.md)",
-    "demo-lockstep-concise-smollm2-135m-instruct": "live demo, SmolLM2, no KL (docs/models.md)",
     "demo-lockstep-concise-smollm2-135m-instruct-kl0.1":
         "live demo, SmolLM2, KL 0.1 (docs/models.md)",
     "per-user-demo-smollm2-135m-instruct": "per-user adapters, SmolLM2 (docs/models.md)",

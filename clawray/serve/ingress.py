@@ -31,8 +31,7 @@ from clawray.serve import anthropic_messages, openai_chat, openai_completions, o
 from clawray.serve.chat import ChatService
 from clawray.serve.metrics import CountingSink, ServingMetrics
 from clawray.serve.response_store import start_response_store
-from clawray.serve.policy_server import (HandlePolicy, LocalPolicy, PolicyCore,
-                                         freeze_startup_heap)
+from clawray.serve.policy_server import HandlePolicy, LocalPolicy, PolicyCore
 from clawray.serve.protocol import APIError, parse_feedback, parse_request
 from clawray.serve.replica_http import ReplicaHTTP, http_app
 from clawray.sessions.pipeline import HubSink, HubUnavailable, start_live_pipeline
@@ -75,7 +74,6 @@ class IngressCore:
     def __init__(self, cfg: ClawRayConfig, policy_handle: Any = None,
                  app_name: str = "clawray") -> None:
         self.cfg = cfg
-        self.gc_frozen: int | None = None  # set by the Serve replica (serving.freeze_gc)
         s = cfg.serving_cfg
         if policy_handle is None:
             self.core: PolicyCore | None = PolicyCore(cfg)
@@ -285,9 +283,7 @@ class IngressCore:
                 "sessions": st.extra.get("sessions", {}) if self.core is not None else {},
                 "replica": self.receiver.replica_id if self.receiver is not None else None,
                 # seconds of the engine's warm-up request at replica start (colocated layout)
-                "warm_up_s": self.core.warm_up_s if self.core is not None else None,
-                # objects moved to the permanent GC generation at start (serving.freeze_gc)
-                "gc_frozen": self.gc_frozen}
+                "warm_up_s": self.core.warm_up_s if self.core is not None else None}
 
     def routing(self) -> dict[str, Any] | None:
         """The policy gate's routing table as this replica mirrors it (None: no gate)."""
@@ -354,15 +350,13 @@ class Ingress:
         self._core = IngressCore(cfg, policy_handle, app_name)
         self._app = http_app(self._core)  # Serve's path and the replica's own server share it
         self._http: ReplicaHTTP | None = None
-        s = cfg.serving_cfg
         if self._core.core is not None:  # colocated: the engine is here
             await self._core.core.warm_up()
+            s = cfg.serving_cfg
             if s.replica_http_port is not None:  # clawray's own server, on the engine's loop
                 self._http = await ReplicaHTTP.start(self._app, s.host, s.replica_http_port)
                 logger.warning("clawray: ingress replica serving HTTP itself at %s/v1",
                                self._http.url)
-        if s.freeze_gc:  # start-up done: later collections skip what it left (as vllm serve)
-            self._core.gc_frozen = freeze_startup_heap()
 
     def __serve_build_asgi_app__(self) -> Any:
         """The public routes Serve's path serves (Serve calls it after ``__init__``)."""

@@ -30,7 +30,6 @@ from clawray.inference.engine import Engine, SamplingParams
 from clawray.inference.factory import make_engine
 from clawray.models.loader import judge_model_info, judge_model_path, load_tokenizer
 from clawray.names import judge_channel
-from clawray.serve.policy_server import freeze_startup_heap
 from clawray.weights.receiver import WeightReceiver, start_receiver
 
 logger = logging.getLogger(__name__)
@@ -137,8 +136,7 @@ class JudgeCore:
         return {"model": str(self.info.path), "max_model_len": self.max_model_len,
                 "engine": engine.engine, "running": engine.running, "waiting": engine.waiting,
                 "version": engine.policy_version,
-                "weights_error": receiver.error if receiver is not None else None,
-                "gc_frozen": getattr(self, "gc_frozen", None)}
+                "weights_error": receiver.error if receiver is not None else None}
 
 
 @serve.deployment(name="JudgeServer")
@@ -149,10 +147,8 @@ class JudgeServer(JudgeCore):
     """
 
     def __init__(self, config: dict) -> None:
-        cfg = ClawRayConfig.from_dict(config).apply_log_level()
-        super().__init__(cfg)
+        super().__init__(ClawRayConfig.from_dict(config).apply_log_level())
         self.receiver: WeightReceiver | None = start_receiver(self.engine, channel=judge_channel)
-        self.gc_frozen = freeze_startup_heap() if cfg.serving_cfg.freeze_gc else None
 
     def __del__(self) -> None:  # Serve calls it on shutdown: stop polling, deregister
         receiver = getattr(self, "receiver", None)  # None if the constructor failed early

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import gc
 import time
 
 import logging
@@ -159,17 +158,6 @@ class HandlePolicy:
         return await self.handle.status.remote()
 
 
-def freeze_startup_heap() -> int:
-    """Collect, then move every object this process holds into Python's permanent GC
-    generation (``gc.freeze``), as ``vllm serve``'s API server does once it has started:
-    later full collections walk only what serving allocates since, not the hundreds of
-    thousands of objects the imports and the engine's start-up left (each such collection
-    stops the event loop that feeds the engine). Returns how many objects are frozen."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
-
-
 class PolicyCore:
     """What a PolicyServer replica does, without Serve (the colocated ingress uses it too).
 
@@ -182,7 +170,6 @@ class PolicyCore:
         self.receiver: WeightReceiver | None = start_receiver(self.engine)
         self.sessions = SessionCounts()
         self.warm_up_s: float | None = None  # set by warm_up (Serve replicas, before traffic)
-        self.gc_frozen: int | None = None  # objects frozen at start (serving.freeze_gc)
 
     async def warm_up(self) -> float:
         """One short request through the engine before the replica takes traffic; returns
@@ -217,7 +204,6 @@ class PolicyCore:
         if self.receiver is not None:
             status.extra["replica"] = self.receiver.replica_id
         status.extra["sessions"] = self.sessions.top()
-        status.extra["gc_frozen"] = self.gc_frozen
         return status
 
     async def pause(self) -> None:
@@ -243,11 +229,8 @@ class PolicyServer(PolicyCore):
     """A Serve replica wrapping one engine (``split`` layout)."""
 
     async def __init__(self, config: dict) -> None:  # Serve awaits an async constructor
-        cfg = ClawRayConfig.from_dict(config).apply_log_level()
-        super().__init__(cfg)
+        super().__init__(ClawRayConfig.from_dict(config).apply_log_level())
         await self.warm_up()
-        if cfg.serving_cfg.freeze_gc:
-            self.gc_frozen = freeze_startup_heap()
 
     def __del__(self) -> None:  # Serve calls it on shutdown: stop polling, deregister
         self.close()

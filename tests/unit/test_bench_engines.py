@@ -145,22 +145,3 @@ async def test_clawrays_code_without_ray_serves_and_records_each_turn(tmp_path, 
     [record] = [json.loads(line) for line in records.read_text().splitlines()]
     assert record["record_id"] == r.json()["id"]
     assert 0 < record["started_at"] <= record["finished_at"]
-
-
-def test_the_nogcfreeze_setup_is_clawray_vllm_with_the_gc_freeze_off(engines, monkeypatch):
-    seen = {}
-
-    def fake_start_ray(name, env, config, logdir):
-        seen[name] = (env, config)
-        raise RuntimeError("stop here")
-
-    monkeypatch.setattr(engines, "start_ray", fake_start_ray)
-    for name in ("clawray-vllm", "clawray-vllm-nogcfreeze"):
-        with pytest.raises(RuntimeError, match="stop here"):
-            engines.start_setup(name, "/model", Path("/tmp"))
-    (env, plain), (off_env, off) = seen["clawray-vllm"], seen["clawray-vllm-nogcfreeze"]
-    assert off_env == env and off["inference"]["engine"] == "vllm"
-    assert "freeze_gc" not in plain["serving"]  # the default: on
-    assert off["serving"].pop("freeze_gc") is False
-    off["serving"]["records_path"] = plain["serving"]["records_path"]
-    assert off == plain  # nothing else differs

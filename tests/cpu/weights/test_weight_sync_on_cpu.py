@@ -116,11 +116,8 @@ def test_synced_replicas_compute_what_the_learner_computes(weights_app, learner_
     client = openai.OpenAI(base_url=weights_app.url, api_key=API_KEY, max_retries=0)
     # Before any request: each replica ran one warm-up request through its engine at start
     # (vLLM's first request with log-probs costs seconds once; no user should pay it).
-    # After it, its start-up heap was frozen out of the GC's reach (serving.freeze_gc).
     for _ in range(6):
-        status = handle.status.remote().result()
-        assert status["warm_up_s"] > 0
-        assert status["gc_frozen"] > 100_000
+        assert handle.status.remote().result()["warm_up_s"] > 0
     before = handle.prompt_logprobs.remote(PROMPT, RESPONSE).result()
 
     result = _sync(weights_app, learner_model, seed=1)

@@ -677,6 +677,12 @@ class SFTConfig(_Section):
     live_samples: str | None = Field(
         None, description="Also imitate recorded live turns: a sample WAL folder; rows with "
         "reward > 0 are used.")
+    select_every: int = Field(
+        0, ge=0, description="Checkpoint selection on the validation pool: every N steps (and "
+        "after the last) the model plays select_tasks validation tasks at the runners' "
+        "temperature and the best-scoring weights are kept (the earliest on a tie); 0: the "
+        "last step's weights.")
+    select_tasks: int = Field(100, ge=1, description="Validation tasks per selection scoring.")
     cache_dir: str = Field("~/.cache/clawray/sft", description="Results are cached here by "
                            "the hash of the base model and this config.")
     seed: int = 0

@@ -103,8 +103,10 @@ class Scale:
     group_size: int = 6  # rollouts per task and step
     runners: int = 2  # env runners
     sft_steps: int | None = None  # the policy's warm start; None: the env-demo's
+    sft_select: bool = True  # the policy's warm start picks its checkpoint on validation tasks
     rm_tasks: int = 200  # tasks whose steps the RM's warm start learns from
-    rm_sft_steps: int | None = None  # the RM's warm start; None: as the policy's
+    rm_sft_steps: int | None = 200  # the RM's warm start (200: as measured while the policy's
+    # warm start was 200 steps too); None: as the policy's
     rm_sft_batch_size: int | None = None  # None: as the policy's
     rm_sft_lr: float | None = None  # None: as the policy's
     rm_select_tasks: int = 30  # validation-pool tasks whose steps stop the RM's warm start
@@ -119,7 +121,8 @@ SMALL = Scale(steps=2, eval_tasks=4, eval_step_tasks=2, slots=2, group_size=4, r
 # The machinery only (the notebook's test in CI): one step from warm starts of a few SFT steps,
 # which leave the policy near 0 % success; its figures mean nothing, its path is the same.
 TINY = Scale(steps=1, eval_tasks=2, eval_step_tasks=2, slots=2, group_size=4, runners=1,
-             sft_steps=20, rm_tasks=8, rm_sft_steps=10, rm_sft_batch_size=8, rm_sft_lr=3e-3,
+             sft_steps=20, sft_select=False, rm_tasks=8, rm_sft_steps=10, rm_sft_batch_size=8,
+             rm_sft_lr=3e-3,
              rm_select_tasks=2)
 SCALES = {"full": FULL, "small": SMALL, "tiny": TINY}
 
@@ -170,6 +173,8 @@ def warm_starts(cfg: ClawRayConfig, sft_seed: int, label_noise: float,
     demo = env_demo_config(measured_engine(cfg), Path("."), sft_seed)
     if scale.sft_steps is not None:
         demo = demo.copy_with(sft={"steps": scale.sft_steps})
+    if not scale.sft_select:
+        demo = demo.copy_with(sft={"select_every": 0})
     policy = run_sft(demo, progress=progress).path
     rm_sft = {k: v for k, v in (("steps", scale.rm_sft_steps),
                                 ("batch_size", scale.rm_sft_batch_size),

@@ -48,12 +48,13 @@ from clawray.learner.learner import LearnerCore, init_distributed
 from clawray.models.chat_template import IM_END
 from clawray.models.loader import load_tokenizer, policy_model_info
 from clawray.samples import SCHEMA, make_row, rows_to_batch
-from clawray.training.evaluate import evaluate_model
+from clawray.training.evaluate import EVAL_MAX_DIFFICULTY, evaluate_model
 
 logger = logging.getLogger(__name__)
 RECIPE = "2"  # 2: tasks of the train pool (envs.task_pool). Bump when the rows or the training recipe change (not the eval protocol)
 INFO = "clawray_sft.json"
 EVAL_SEED_OFFSET = 1_000_003  # held-out tasks: a seed stream of their own (also rm_sft's)
+SELECT_SEED = 2_000_003  # checkpoint selection's validation tasks: the same for every sft.seed
 
 
 @dataclasses.dataclass
@@ -124,8 +125,13 @@ def sft_key(base: Path, cfg: ClawRayConfig) -> str:
              "family_kwargs": e.family_kwargs, "history_window": e.history_window,
              "task_pools": e.task_pools,
              "sft": cfg.sft_cfg.model_dump(exclude={"cache_dir", "eval_tasks",
-                                                     "eval_temperature", "lora_rank"}),
+                                                     "eval_temperature", "lora_rank",
+                                                     "select_every", "select_tasks"}),
              "learner": learner_settings(cfg)}
+    if cfg.sft_cfg.select_every:  # absent when off, so the builds without it keep their keys
+        parts["select"] = {"every": cfg.sft_cfg.select_every, "tasks": cfg.sft_cfg.select_tasks,
+                           "seed": SELECT_SEED, "temperature": e.temperature,
+                           "max_difficulty": EVAL_MAX_DIFFICULTY}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -198,16 +204,41 @@ def run_sft(cfg: ClawRayConfig, force: bool = False, progress: bool = True) -> S
                        cfg.environments_cfg.history_window)
     if s.live_samples:
         rows += live_rows(s.live_samples)
-    history = train_sft(base, cfg, rows, progress)
+    select = policy_selection(base, cfg, family) if s.select_every else None
+    history = train_sft(base, cfg, rows, progress, select=select)
 
     def describe(saved: Path) -> dict[str, Any]:
         info = {"key": key, "base": str(base), "family": family.name, "rows": len(rows),
                 "demo_tasks": s.tasks, "steps": s.steps, "nll_first": history["nll"][0],
                 "nll_last": history["nll"][-1], "train_s": time.perf_counter() - t0,
                 "config": s.model_dump()}
+        if select is not None:
+            info.update(selection=history["selection"], selected_step=history["selected_step"])
         return {**info, **held_out_scoring(base, saved, cfg, family)}
 
     return save_result(out, base, history["model"], describe)
+
+
+def selection_tasks(cfg: ClawRayConfig, family: TaskFamily) -> list[Task]:
+    """The tasks checkpoint selection plays: ``sft.select_tasks`` tasks of the validation pool
+    within ``EVAL_MAX_DIFFICULTY`` of the box (as hard as the held-out evaluations), from a
+    seed stream of their own that does not depend on ``sft.seed``, so warm starts of several
+    seeds are rated on the same tasks."""
+    return demo_tasks(family, cfg.sft_cfg.select_tasks, EVAL_MAX_DIFFICULTY, SELECT_SEED,
+                      pools(cfg)[1])
+
+
+def policy_selection(base: Path, cfg: ClawRayConfig, family: TaskFamily) -> Selection:
+    """Rate the policy being trained by its success on ``selection_tasks`` at the runners'
+    temperature (``evaluate_model`` on a copy saved to a temporary folder) every
+    ``sft.select_every`` steps."""
+    tasks = selection_tasks(cfg, family)
+
+    def score(model: Any) -> float:
+        with tempfile.TemporaryDirectory(prefix="clawray-sft-select-") as tmp:
+            return evaluate_model(write_model(Path(tmp), base, model), cfg, tasks)
+
+    return Selection(cfg.sft_cfg.select_every, score)
 
 
 def eval_settings(cfg: ClawRayConfig) -> dict[str, Any]:

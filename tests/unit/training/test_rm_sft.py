@@ -218,7 +218,7 @@ def test_run_sft_saves_through_the_shared_cache_writer(tmp_path, tiny_model_path
 
     calls = []
     real = sft.save_result
-    monkeypatch.setattr(sft, "train_sft", lambda base, cfg, rows, progress: {
+    monkeypatch.setattr(sft, "train_sft", lambda base, cfg, rows, progress, select=None: {
         "model": load_model(base), "nll": [2.0, 1.0]})
     monkeypatch.setattr(sft, "save_result",
                         lambda *a, **k: calls.append(a[0]) or real(*a, **k))

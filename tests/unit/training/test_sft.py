@@ -178,3 +178,30 @@ def test_sampled_votes_of_several_sets_on_one_engine_are_each_sets_own(tiny_mode
     assert len({tuple(v) for v in apart}) > 1  # the votes differ between prompts
     with pytest.raises(ValueError, match="2 seeds for 5 prompts"):
         votes(first + second, seeds=[7, 8])
+
+
+def test_policy_selection_keeps_the_checkpoint_that_plays_best_on_validation_tasks(
+        tmp_path, tiny_model_path):
+    """``sft.select_every``: the policy is rated every N steps by its success on
+    ``selection_tasks`` (validation pool, the same for every ``sft.seed``); the saved model is
+    the best-rated one and scores its rating again; off, the keys are the ones built without
+    the field."""
+    from clawray.envs import make_family, task_pool
+    from clawray.training.evaluate import evaluate_model
+    from clawray.training.sft import run_sft, selection_tasks, sft_key
+
+    plain = _cfg(tmp_path)
+    cfg = _cfg(tmp_path, select_every=2, select_tasks=3)
+    assert sft_key(tiny_model_path, plain) == sft_key(tiny_model_path, plain.sft(select_tasks=7))
+    assert sft_key(tiny_model_path, plain) != sft_key(tiny_model_path, cfg)
+    family = make_family("household")
+    tasks = selection_tasks(cfg, family)
+    assert len(tasks) == 3 and {task_pool(t) for t in tasks} == {"validation"}
+    assert ([t.task_id for t in selection_tasks(cfg.sft(seed=5), family)]
+            == [t.task_id for t in tasks])
+    result = run_sft(cfg, progress=False)
+    curve = result.info["selection"]
+    assert [c["step"] for c in curve] == [2, 4]
+    best = max(c["score"] for c in curve)
+    assert result.info["selected_step"] == next(c["step"] for c in curve if c["score"] == best)
+    assert evaluate_model(result.path, cfg, tasks) == best

@@ -19,8 +19,8 @@ One seeded CPU run on the embedded tiny model:
    own seed) and ``EVAL_SAMPLES`` episodes per task;
 4. ``env_progress.png`` shows held-out success, training success and the curriculum's
    sampled difficulty over time; ``env_summary.json`` and ``metrics.jsonl`` hold the numbers;
-   every held-out evaluation goes to the ledger (``clawray.ledger``: experiment ``env-demo``,
-   the arm the ``--set`` overrides; ``ledger_lines``).
+   every held-out evaluation goes to the ledger (``clawray.ledger``: experiment ``env-demo``
+   with the warm-start recipe's suffix, the arm the ``--set`` overrides; ``ledger_lines``).
 
 ``--seeds 0 1 2`` runs it once per seed and summarizes the rises (``env_seeds.json``,
 ``env_seeds.png``).
@@ -52,6 +52,17 @@ ITERATIONS = 20
 # (docs/environments.md, "SFT warm start": 200 steps left seeds 0-2 anywhere from 0.5% to 24%).
 SFT_STEPS = 600
 SFT_SELECT_EVERY = 50
+# The warm-start recipe's version: 1, 200 steps and the last checkpoint (until 2026-12-07);
+# 2, the above. Runs from a later recipe go to the ledger under experiments named for it
+# (``warm_start_suffix``), so a seed's first run there is not a run from another warm start.
+WARM_START = 2
+
+
+def warm_start_suffix(summary: dict[str, Any]) -> str:
+    """What a ledger experiment's name carries for the summary's warm-start recipe: nothing for
+    recipe 1 (the summaries written before the field existed), ``-warm<N>`` after it."""
+    recipe = summary.get("warm_start", 1)
+    return "" if recipe == 1 else f"-warm{recipe}"
 EVAL_N = 100
 SEED = 0
 APP = "env-demo"
@@ -139,10 +150,12 @@ def env_arm(sets: list[str] | None) -> str:
 
 
 def ledger_lines(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """One run's lines for the ledger (experiment ``env-demo``, arm ``env_arm``): held-out
+    """One run's lines for the ledger (experiment ``env-demo`` and the warm start's
+    ``warm_start_suffix``, arm ``env_arm``): held-out
     success before training, after it and the change, and each evaluation in between as
     ``success_iter<k>``; each line with the ``iteration`` it was measured at."""
-    fields = {"experiment": "env-demo", "arm": env_arm(summary.get("sets")),
+    fields = {"experiment": "env-demo" + warm_start_suffix(summary),
+              "arm": env_arm(summary.get("sets")),
               "seed": summary["seed"], "pool": summary["eval_pool"],
               "sft_seed": summary.get("sft_seed"), "iterations": summary["iterations"]}
     before, after = summary["before"], summary["after"]
@@ -267,7 +280,7 @@ def run_env_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
     finally:
         ray.shutdown()
     summary.update(seed=seed, sft_seed=cfg.sft_cfg.seed, sets=sets or [], eval_pool=eval_pool,
-                   iterations=iterations, sft=sft.info, seconds=time.monotonic() - t0)
+                   iterations=iterations, warm_start=WARM_START, sft=sft.info, seconds=time.monotonic() - t0)
     (out / "env_summary.json").write_text(json.dumps(summary, indent=2))
     ledger.record_lines(ledger_lines(summary))
     plot_env_progress(summary, out / "env_progress.png")

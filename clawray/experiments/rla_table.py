@@ -53,7 +53,7 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from clawray import ledger  # noqa: E402
-from clawray.apps.env_demo import env_demo_config  # noqa: E402
+from clawray.apps.env_demo import WARM_START, env_demo_config, warm_start_suffix  # noqa: E402
 from clawray.apps.launch import init_local_ray
 from clawray.config import ClawRayConfig
 from clawray.rlanything.loop import StepScorer
@@ -337,7 +337,7 @@ def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], rows: list[str] |
             runs[row][str(seed)] = result
             summary = summarize(runs, seeds, scale.steps, label_noise, time.monotonic() - t0)
             summary.update(policy=policy, rm=rm, sft_seed=sft_seed, parallel=parallel,
-                           eval_pool=eval_pool,
+                           eval_pool=eval_pool, warm_start=WARM_START,
                            scale=dataclasses.asdict(scale))
             (out / "rla_table.json").write_text(json.dumps(summary, indent=2))
             # one after another, the seed's first row measures "before" for all of them
@@ -361,14 +361,16 @@ def run_table(cfg: ClawRayConfig, out: Path, seeds: list[int], rows: list[str] |
 def experiment_name(summary: dict[str, Any]) -> str:
     """The table's experiment on the ledger: ``rla-table`` at the full scale with clean RM
     labels; otherwise the nearest named scale and what differs from it, and the label noise
-    (``rla-table-small``, ``rla-table-small-steps4``, ``rla-table-noise0.2``)."""
+    (``rla-table-small``, ``rla-table-small-steps4``, ``rla-table-noise0.2``); then the policy
+    warm start's recipe (``env_demo.warm_start_suffix``: ``-warm2`` since 2026-12-07)."""
     scale = summary["scale"]
     named = {k: dataclasses.asdict(v) for k, v in SCALES.items()}
     base = min(named, key=lambda k: sum(named[k][f] != scale.get(f) for f in named[k]))
     name = "rla-table" + ("" if base == "full" else f"-{base}") + "".join(
         f"-{f}{scale.get(f)}" for f in named[base] if named[base][f] != scale.get(f))
     noise = summary.get("rm_label_noise") or 0.0
-    return name + (f"-noise{noise:g}" if noise != RM_LABEL_NOISE else "")
+    return (name + (f"-noise{noise:g}" if noise != RM_LABEL_NOISE else "")
+            + warm_start_suffix(summary))
 
 
 def ledger_lines(summary: dict[str, Any], row: str, seed: int,
@@ -418,7 +420,8 @@ def ledger_lines(summary: dict[str, Any], row: str, seed: int,
 
 
 # What a table's runs must share to be one table: the same warm starts, evaluation and scale.
-MERGE_KEYS = ("steps", "policy", "rm", "sft_seed", "eval_pool", "scale", "rm_label_noise")
+MERGE_KEYS = ("steps", "policy", "rm", "sft_seed", "eval_pool", "scale", "rm_label_noise",
+              "warm_start")
 
 
 def merge_tables(summaries: list[dict[str, Any]]) -> dict[str, Any]:

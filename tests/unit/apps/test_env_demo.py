@@ -80,6 +80,8 @@ def test_every_held_out_evaluation_goes_to_the_ledger_with_its_iteration(tmp_pat
                    "success_change": (0.15, 20, 200), "success_iter10": (0.25, 10, 200)}
     assert {(x["experiment"], x["arm"], x["seed"], x["pool"], x["sft_seed"])
             for x in lines} == {("env-demo", "default", 1, "validation", 0)}
+    # a later warm-start recipe's runs go to an experiment of their own
+    assert {x["experiment"] for x in ledger_lines({**s, "warm_start": 2})} == {"env-demo-warm2"}
     s["sets"] = ["environments.step_weight=0", "environments.episode_weight=1"]
     assert {x["arm"] for x in ledger_lines(s)} == {
         "environments.step_weight=0 environments.episode_weight=1"}

@@ -174,7 +174,7 @@ def test_parallel_rows_record_every_row_under_its_own_app_and_write_the_table(tm
     # each row measured its own "before": all its figures are on the ledger, under its name
     lines = ledger.read(tmp_path / "ledger.jsonl")
     assert {(x["experiment"], x["seed"], x["pool"]) for x in lines} == {
-        ("rla-table-small", 0, "test")}
+        ("rla-table-small-warm2", 0, "test")}
     after = {x["arm"]: x["value"] for x in lines if x["metric"] == "success_after"}
     assert after == {"policy": 0.25, "policy+rm": 0.25, "policy+rm+env": 0.5}
     assert sum(x["metric"] == "success_before" for x in lines) == 3
@@ -317,7 +317,7 @@ def test_rows_run_one_after_another_record_the_shared_before_once(tmp_path, monk
         ("policy+rm", "rm_plus_acc_after"): (0.8, 40, "policy"),
         ("policy+rm", "rm_minus_acc_after"): (0.6, 40, "policy")}
     assert {(x["experiment"], x["seed"], x["pool"], x["steps"]) for x in ledger.read(path)} \
-        == {("rla-table-small", 4, "validation", SMALL.steps)}
+        == {("rla-table-small-warm2", 4, "validation", SMALL.steps)}
 
 
 def test_the_experiment_names_the_scale_and_label_noise_so_runs_of_other_sizes_stay_apart():
@@ -330,6 +330,9 @@ def test_the_experiment_names_the_scale_and_label_noise_so_runs_of_other_sizes_s
     assert name(dataclasses.replace(SMALL, steps=4)) == "rla-table-small-steps4"
     assert name(dataclasses.replace(FULL, eval_tasks=50), 0.2) == \
         "rla-table-eval_tasks50-noise0.2"
+    # the policy warm start's recipe: the summaries before recipe 2 carry none
+    assert experiment_name({"scale": dataclasses.asdict(FULL), "rm_label_noise": 0.0,
+                            "warm_start": 2}) == "rla-table-warm2"
 
 
 def test_the_rm_is_measured_on_valid_actions_and_beside_the_one_cue_rule(monkeypatch):

@@ -48,6 +48,9 @@ from clawray.training.sft import run_sft
 from clawray.training.trainer import Trainer
 
 ITERATIONS = 20
+EVAL_N = 100
+SEED = 0
+APP = "env-demo"
 # The warm start: 600 NLL steps, the checkpoint chosen every 50 on 100 validation tasks
 # (docs/environments.md, "SFT warm start": 200 steps left seeds 0-2 anywhere from 0.5% to 24%).
 SFT_STEPS = 600
@@ -63,9 +66,6 @@ def warm_start_suffix(summary: dict[str, Any]) -> str:
     recipe 1 (the summaries written before the field existed), ``-warm<N>`` after it."""
     recipe = summary.get("warm_start", 1)
     return "" if recipe == 1 else f"-warm{recipe}"
-EVAL_N = 100
-SEED = 0
-APP = "env-demo"
 
 
 def env_demo_config(cfg: ClawRayConfig, out: Path, seed: int = SEED,
@@ -280,7 +280,8 @@ def run_env_demo(cfg: ClawRayConfig, out: Path, iterations: int = ITERATIONS,
     finally:
         ray.shutdown()
     summary.update(seed=seed, sft_seed=cfg.sft_cfg.seed, sets=sets or [], eval_pool=eval_pool,
-                   iterations=iterations, warm_start=WARM_START, sft=sft.info, seconds=time.monotonic() - t0)
+                   iterations=iterations, warm_start=WARM_START, sft=sft.info,
+                   seconds=time.monotonic() - t0)
     (out / "env_summary.json").write_text(json.dumps(summary, indent=2))
     ledger.record_lines(ledger_lines(summary))
     plot_env_progress(summary, out / "env_progress.png")

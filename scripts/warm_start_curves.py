@@ -19,11 +19,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from clawray.apps.env_demo import env_demo_config
 from clawray.config import load_config
 from clawray.experiments.rla_table import measured_engine
+from clawray.stats import seed_stats
 from clawray.training.sft import run_sft
 
 FORMER_STEPS = 200  # the recipe's step count before selection (2.5% / 0.5% / 24.0%, seeds 0-2)
@@ -40,13 +39,6 @@ def curve(seed: int) -> dict[str, Any]:
             f"score_at_{FORMER_STEPS}": scores.get(FORMER_STEPS)}
 
 
-def mean_se(xs: list[float]) -> dict[str, float]:
-    a = np.asarray(xs, dtype=float)
-    return {"mean": float(a.mean()),
-            "stderr": float(a.std(ddof=1) / np.sqrt(len(a))) if len(a) > 1 else float("nan"),
-            "min": float(a.min()), "max": float(a.max())}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", required=True)
@@ -58,8 +50,8 @@ def main() -> None:
         print(f"seed {seed}: kept step {rows[-1]['selected_step']} "
               f"({rows[-1]['selected_score']:.0%} of the validation tasks)", flush=True)
     summary = {"seeds": rows,
-               "selected": mean_se([r["selected_score"] for r in rows]),
-               f"at_{FORMER_STEPS}": mean_se([r[f"score_at_{FORMER_STEPS}"] for r in rows])}
+               "selected": seed_stats([r["selected_score"] for r in rows]),
+               f"at_{FORMER_STEPS}": seed_stats([r[f"score_at_{FORMER_STEPS}"] for r in rows])}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "curves.json").write_text(json.dumps(summary, indent=2))
 
